@@ -1,0 +1,47 @@
+"""swap_pass: move activations saved for backward to host memory and back, overlapped with compute.
+
+Ways in (one runtime underneath):
+
+* eager decorators / ``enable_swap_layer_input(model)``: swap each Transformer layer's input;
+* ``apply_swap_pass(gm)`` and ``torch.compile(model, backend=swap_backend)``: explicit
+  ``torch.ops.swap_pass.*`` nodes in traced and compiled graphs;
+* ``SmartSwap(model, memory_budget=...)``: profile, plan and swap under a memory budget.
+"""
+
+from __future__ import annotations
+
+from swap_pass._version_check import check_torch_version
+
+check_torch_version()
+
+from swap_pass.config import OnHostExhausted, SwapConfig  # noqa: E402
+from swap_pass.runtime import (  # noqa: E402
+    HostMemoryError,
+    SwapDataError,
+    SwapLayerInputManager,
+    SwapStateError,
+    SwapStats,
+    SwapTensors,
+    is_valid_for_swap,
+    reset,
+    swap_stats,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # --- configuration ---
+    "OnHostExhausted",
+    "SwapConfig",
+    # --- runtime ---
+    "SwapLayerInputManager",
+    "SwapStats",
+    "SwapTensors",
+    "is_valid_for_swap",
+    "reset",
+    "swap_stats",
+    # --- errors ---
+    "HostMemoryError",
+    "SwapDataError",
+    "SwapStateError",
+]

@@ -1,0 +1,59 @@
+"""The device-generic swap runtime shared by the eager, graph and adaptive paths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swap_pass.runtime import stats as _stats
+from swap_pass.runtime.device import accelerator_type, device_streams, is_async_device
+from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
+from swap_pass.runtime.host_pool import available_host_bytes, host_pool, preflight
+from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.stats import SwapStats
+from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
+
+__all__ = [
+    "HostMemoryError",
+    "SwapDataError",
+    "SwapLayerInputManager",
+    "SwapState",
+    "SwapStateError",
+    "SwapStats",
+    "SwapTensors",
+    "accelerator_type",
+    "available_host_bytes",
+    "device_streams",
+    "host_pool",
+    "is_async_device",
+    "is_valid_for_swap",
+    "preflight",
+    "register_reset_hook",
+    "reset",
+    "swap_stats",
+]
+
+_reset_hooks: list[Callable[[], None]] = []
+
+
+def register_reset_hook(fn: Callable[[], None]) -> Callable[[], None]:
+    """Have :func:`reset` call ``fn`` (a path's own pending state, e.g. graph-op registries)."""
+    if fn not in _reset_hooks:
+        _reset_hooks.append(fn)
+    return fn
+
+
+def swap_stats() -> SwapStats:
+    """A snapshot of the runtime's counters: swaps done, bytes moved, host bytes held."""
+    return _stats.snapshot()
+
+
+def reset() -> None:
+    """Drop all managers and pending swap state, free cached host buffers, zero the counters.
+
+    Data of groups still off the device is discarded: call it between runs, not mid-step.
+    """
+    for fn in list(_reset_hooks):
+        fn()
+    SwapLayerInputManager.reset_all()
+    host_pool().clear()
+    _stats.clear(keep_gauges=True)

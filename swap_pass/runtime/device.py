@@ -1,0 +1,154 @@
+"""Device layer: which accelerator is present, its side streams and events, and a CPU fallback.
+
+Copy pattern this module serves (see DESIGN.md section 4)::
+
+    compute:  ... produce x ... record(e_ready)            wait(e_d2h) free(x)
+    d2h:                         wait(e_ready) copy x->host record(e_d2h)
+
+Everything is device-generic (``torch.Stream``, ``torch.Event``, ``torch.get_device_module``).
+On CPU there are no streams or events: transfers run synchronously on the caller's thread and
+every wait is a no-op, but the copy, the free and the restore still happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+
+import torch
+
+__all__ = [
+    "DeviceStreams",
+    "accelerator_type",
+    "device_streams",
+    "is_async_device",
+    "pinned_memory_available",
+]
+
+_NPU_MODULE = "torch_npu"
+
+# --- accelerator discovery --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _try_import_npu() -> bool:
+    """Import torch_npu if it is installed, so that ``torch.accelerator`` sees Ascend NPUs."""
+    try:
+        importlib.import_module(_NPU_MODULE)
+    except Exception:  # torch_npu missing, or present without Ascend drivers
+        return False
+    return True
+
+
+def accelerator_type() -> str:
+    """Return the accelerator's device type (``"cuda"``, ``"npu"``, ``"xpu"``...) or ``"cpu"``."""
+    _try_import_npu()
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            return acc.type
+    return "cpu"
+
+
+def is_async_device(device: torch.device | str) -> bool:
+    """True when ``device`` has streams and events, so copies can overlap compute."""
+    dev = torch.device(device)
+    return dev.type != "cpu" and dev.type != "meta" and torch.accelerator.is_available()
+
+
+def pinned_memory_available() -> bool:
+    """True when the machine has an accelerator whose allocator can pin host memory."""
+    return accelerator_type() != "cpu"
+
+
+# --- streams and events -----------------------------------------------------------------------
+
+
+class _NoEvent:
+    """Stand-in for ``torch.Event`` where the work it would mark has already completed."""
+
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class DeviceStreams:
+    """Side streams (one for device-to-host, one for host-to-device) of one device, made lazily.
+
+    Args:
+        device: The device the streams belong to.
+        use_streams: When False, copies run on the compute stream. Default: ``True``.
+    """
+
+    def __init__(self, device: torch.device, use_streams: bool = True) -> None:
+        self.device = device
+        self.is_async = is_async_device(device)
+        self.use_streams = use_streams and self.is_async
+        self._d2h: torch.Stream | None = None
+        self._h2d: torch.Stream | None = None
+
+    def compute_stream(self) -> torch.Stream | None:
+        """The stream the caller is computing on (the current stream), or None on CPU."""
+        if not self.is_async:
+            return None
+        return torch.accelerator.current_stream(self.device)
+
+    def d2h_stream(self) -> torch.Stream | None:
+        """Stream for device-to-host copies; the compute stream when side streams are off."""
+        if not self.use_streams:
+            return self.compute_stream()
+        if self._d2h is None:
+            self._d2h = torch.Stream(device=self.device)
+        return self._d2h
+
+    def h2d_stream(self) -> torch.Stream | None:
+        """Stream for host-to-device copies; the compute stream when side streams are off."""
+        if not self.use_streams:
+            return self.compute_stream()
+        if self._h2d is None:
+            self._h2d = torch.Stream(device=self.device)
+        return self._h2d
+
+    def record_event(self, stream: torch.Stream | None) -> torch.Event | _NoEvent:
+        """Record an event on ``stream`` (a no-op event on CPU)."""
+        if stream is None:
+            return _NoEvent()
+        event = torch.Event(device=self.device)
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream: torch.Stream | None, event: torch.Event | _NoEvent | None) -> None:
+        """Make ``stream`` wait for ``event`` without blocking the host."""
+        if stream is None or event is None or isinstance(event, _NoEvent):
+            return
+        stream.wait_event(event)
+
+    def use(self, stream: torch.Stream | None):
+        """Context manager that makes ``stream`` current (nothing on CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return stream  # torch.Stream is a context manager that makes itself current
+
+
+_streams_lock = threading.Lock()
+_streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
+
+
+def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
+    """Return the (cached) :class:`DeviceStreams` of ``device``."""
+    dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
+    key = (dev, use_streams)
+    with _streams_lock:
+        if key not in _streams:
+            _streams[key] = DeviceStreams(dev, use_streams)
+        return _streams[key]

@@ -1,0 +1,75 @@
+"""Process-wide counters of what the runtime moved and holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+__all__ = ["SwapStats", "record", "snapshot", "clear"]
+
+
+@dataclasses.dataclass
+class SwapStats:
+    """A snapshot of the runtime's counters (see :func:`swap_pass.swap_stats`).
+
+    Attributes:
+        swap_outs: Groups or tensors whose device-to-host copy was started.
+        swap_ins: Groups or tensors whose host-to-device copy was started.
+        swapped_out_bytes: Bytes copied device to host, in total.
+        swapped_in_bytes: Bytes copied host to device, in total.
+        host_bytes_in_use: Host bytes now holding swapped data.
+        peak_host_bytes_in_use: Highest ``host_bytes_in_use`` since the last reset.
+        host_bytes_reserved: Host bytes the buffer pool holds, in use or cached for reuse.
+        host_allocations: Fresh host buffers allocated (pool misses).
+        device_bytes_released: Device bytes now freed because their data is on the host.
+        peak_device_bytes_released: Highest ``device_bytes_released`` since the last reset.
+        kept_on_device: Swap-outs skipped because host memory was exhausted.
+    """
+
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    host_bytes_in_use: int = 0
+    peak_host_bytes_in_use: int = 0
+    host_bytes_reserved: int = 0
+    host_allocations: int = 0
+    device_bytes_released: int = 0
+    peak_device_bytes_released: int = 0
+    kept_on_device: int = 0
+
+
+_lock = threading.Lock()
+_stats = SwapStats()
+_PEAKS = {"host_bytes_in_use": "peak_host_bytes_in_use",
+          "device_bytes_released": "peak_device_bytes_released"}
+
+
+def record(**deltas: int) -> None:
+    """Add ``deltas`` to the named counters, keeping the peaks up to date."""
+    with _lock:
+        for name, delta in deltas.items():
+            value = getattr(_stats, name) + delta
+            setattr(_stats, name, value)
+            peak = _PEAKS.get(name)
+            if peak is not None and value > getattr(_stats, peak):
+                setattr(_stats, peak, value)
+
+
+def snapshot() -> SwapStats:
+    """Return a copy of the counters."""
+    with _lock:
+        return dataclasses.replace(_stats)
+
+
+def clear(*, keep_gauges: bool = False) -> None:
+    """Zero the counters; with ``keep_gauges`` the current in-use figures stay and peaks restart."""
+    global _stats
+    with _lock:
+        fresh = SwapStats()
+        if keep_gauges:
+            for gauge, peak in _PEAKS.items():
+                setattr(fresh, gauge, getattr(_stats, gauge))
+                setattr(fresh, peak, getattr(_stats, gauge))
+            fresh.host_bytes_reserved = _stats.host_bytes_reserved
+        _stats = fresh

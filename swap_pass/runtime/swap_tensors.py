@@ -1,0 +1,345 @@
+"""One group of tensors (one layer's input, one micro-batch) moved between device and host.
+
+State machine (the seed's, enforced)::
+
+    "device" --swap_to_host()--> "d2h" --wait_d2h()--> "host"
+        ^                                                 |
+        +------- wait_h2d() <-- "h2d" <--swap_to_device()-+
+
+Swapping works on storages, not tensors: each distinct untyped storage is copied whole into a
+flat host buffer, then freed in place with ``untyped_storage().resize_(0)``; restoring resizes it
+back and copies the bytes in. Every tensor that shares the storage (autograd's saved references,
+views, slices) therefore sees its data again with its own dtype, strides and offset.
+
+Stream protocol (DESIGN.md section 4), no ``record_stream``:
+
+* ``swap_to_host``: the d2h stream waits on an event recorded on the compute stream, copies,
+  records ``e_d2h``.
+* ``wait_d2h``: the compute stream waits on ``e_d2h``; only then is the device storage freed, so
+  the caching allocator cannot hand it out while the copy still reads it.
+* ``swap_to_device``: the storage is re-allocated on the compute stream, the h2d stream waits on
+  an event recorded after that, copies, records ``e_h2d``.
+* ``wait_h2d``: the compute stream waits on ``e_h2d`` before any reader; the host buffer goes back
+  to the pool (later d2h copies are ordered after this wait through the compute stream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from swap_pass.config import OnHostExhausted, SwapConfig
+from swap_pass.runtime import stats
+from swap_pass.runtime.device import DeviceStreams, device_streams
+from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
+from swap_pass.runtime.host_pool import host_pool
+
+__all__ = ["SwapState", "SwapTensors", "is_valid_for_swap"]
+
+_DEFAULT_CONFIG = SwapConfig()
+_warned_keep_on_device = False
+
+
+class SwapState(str, enum.Enum):
+    """Where a :class:`SwapTensors` group's data is. Compares equal to its string value."""
+
+    DEVICE = "device"
+    D2H = "d2h"
+    HOST = "host"
+    H2D = "h2d"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _is_parameter_or_view_of_one(tensor: torch.Tensor) -> bool:
+    base = tensor
+    while base is not None:
+        if isinstance(base, torch.nn.Parameter):
+            return True
+        base = base._base
+    return False
+
+
+def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], bool] | None = None) -> bool:
+    """Whether ``tensor`` may be swapped.
+
+    False for non-tensors, ``nn.Parameter`` and views of one, tensors whose storage is empty
+    (already freed, or zero bytes), meta and sparse tensors. Otherwise ``custom_check_fn(tensor)``
+    decides when given.
+    """
+    if not isinstance(tensor, torch.Tensor) or _is_parameter_or_view_of_one(tensor):
+        return False
+    if tensor.is_meta or tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
+        return False
+    if tensor.untyped_storage().nbytes() == 0:
+        return False
+    return True if custom_check_fn is None else bool(custom_check_fn(tensor))
+
+
+@dataclasses.dataclass
+class _StorageEntry:
+    """One distinct storage of the group and what it needs to be restored."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    tensors: list[torch.Tensor]
+    versions: list[int]
+    host: torch.Tensor | None = None
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int) -> list[_StorageEntry]:
+    entries: dict[int, _StorageEntry] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in entries:
+            if storage.nbytes() < min_bytes:
+                continue
+            entries[key] = _StorageEntry(storage, storage.nbytes(), [], [])
+        entries[key].tensors.append(t)
+        entries[key].versions.append(t._version)
+    return list(entries.values())
+
+
+class SwapTensors:
+    """A group of tensors swapped together between device and host.
+
+    Args:
+        tensors: The tensors to swap. Invalid ones (see :func:`is_valid_for_swap`) are left out,
+            and tensors sharing a storage are swapped once. All must be on one device.
+        custom_check_fn: Extra predicate passed to :func:`is_valid_for_swap`. Default: ``None``.
+        config: Runtime knobs. Default: ``SwapConfig()``.
+        name: Shown in errors, e.g. the layer's name. Default: ``None``.
+
+    Attributes:
+        stat: ``"device"``, ``"d2h"``, ``"host"`` or ``"h2d"``.
+        tensors: The tensors the group swaps.
+        kept_on_device: True when host memory ran out under ``on_host_exhausted="keep_on_device"``
+            and the group's data never left the device.
+    """
+
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor],
+        *,
+        custom_check_fn: Callable[[torch.Tensor], bool] | None = None,
+        config: SwapConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.config = config or _DEFAULT_CONFIG
+        self.name = name
+        self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
+        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes)
+        self.device = self._common_device()
+        self.stat = SwapState.DEVICE
+        self.kept_on_device = False
+        self._event = None
+
+    def __repr__(self) -> str:
+        return (f"SwapTensors(name={self.name!r}, stat={self.stat.value!r}, "
+                f"storages={len(self._entries)}, nbytes={self.nbytes})")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all distinct storages in the group."""
+        return sum(e.nbytes for e in self._entries)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing in the group would be moved."""
+        return not self._entries
+
+    # --- the four transitions -----------------------------------------------------------------
+
+    def swap_to_host(self, stream: torch.Stream | None = None) -> None:
+        """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
+        self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
+        self._snapshot_versions()
+        if not self._acquire_host_buffers():
+            self.kept_on_device = True
+        elif self._entries:
+            ds = self._streams()
+            ready = ds.record_event(ds.compute_stream())
+            stream = stream or ds.d2h_stream()
+            ds.wait(stream, ready)
+            with ds.use(stream):
+                for e in self._entries:
+                    e.host.copy_(_bytes_view(e.storage), non_blocking=ds.is_async)
+            self._event = ds.record_event(stream)
+            stats.record(swap_outs=1, swapped_out_bytes=self.nbytes)
+        self.stat = SwapState.D2H
+
+    def wait_d2h(self) -> None:
+        """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host")."""
+        self._expect(SwapState.D2H, "SwapTensors.wait_d2h")
+        self._check_unmodified("between swap_to_host() and wait_d2h()")
+        if not self.kept_on_device and self._entries:
+            ds = self._streams()
+            ds.wait(ds.compute_stream(), self._event)
+            self._event = None
+            for e in self._entries:
+                e.storage.resize_(0)
+            stats.record(device_bytes_released=self.nbytes)
+        self.stat = SwapState.HOST
+
+    def swap_to_device(self, stream: torch.Stream | None = None) -> None:
+        """Re-allocate the device storages and start copying the data back ("host" -> "h2d")."""
+        self._expect(SwapState.HOST, "SwapTensors.swap_to_device")
+        if not self.kept_on_device and self._entries:
+            ds = self._streams()
+            for e in self._entries:  # allocated on the compute stream, the stream of its readers
+                e.storage.resize_(e.nbytes)
+            stats.record(device_bytes_released=-self.nbytes)
+            ready = ds.record_event(ds.compute_stream())
+            stream = stream or ds.h2d_stream()
+            ds.wait(stream, ready)
+            with ds.use(stream):
+                for e in self._entries:
+                    _bytes_view(e.storage).copy_(e.host, non_blocking=ds.is_async)
+            self._event = ds.record_event(stream)
+            stats.record(swap_ins=1, swapped_in_bytes=self.nbytes)
+        self.stat = SwapState.H2D
+
+    def wait_h2d(self) -> None:
+        """Make the compute stream wait for the data, then release the host buffers ("h2d" -> "device")."""
+        self._expect(SwapState.H2D, "SwapTensors.wait_h2d")
+        if not self.kept_on_device and self._entries:
+            ds = self._streams()
+            ds.wait(ds.compute_stream(), self._event)
+            self._event = None
+            self._release_host_buffers()
+        self.kept_on_device = False
+        self.stat = SwapState.DEVICE
+
+    # --- completing or abandoning a group -----------------------------------------------------
+
+    def restore(self) -> None:
+        """Bring the group back to state "device" from any state, data intact. Idempotent."""
+        if self.stat == SwapState.D2H:  # device data is still there: just drop the host copy
+            self._abandon_d2h()
+        if self.stat == SwapState.HOST:
+            self.swap_to_device()
+        if self.stat == SwapState.H2D:
+            self.wait_h2d()
+
+    def discard(self) -> None:
+        """Release host buffers without restoring: for groups nobody will read again.
+
+        Storages already freed stay freed (their tensors can no longer be read); a group still
+        in "d2h" keeps its device data. The group ends in state "device", empty.
+        """
+        if self.stat == SwapState.D2H:
+            self._abandon_d2h()
+        elif self.stat in (SwapState.HOST, SwapState.H2D):
+            if self.stat == SwapState.H2D:
+                self._streams().wait(self._streams().compute_stream(), self._event)
+            elif not self.kept_on_device:
+                stats.record(device_bytes_released=-self.nbytes)
+            self._release_host_buffers()
+        self._entries = []
+        self.tensors = []
+        self.kept_on_device = False
+        self.stat = SwapState.DEVICE
+
+    def __del__(self) -> None:
+        # A group dropped mid-flight (exception, no backward) must not keep its host buffers.
+        try:
+            if any(e.host is not None for e in self._entries):
+                self.discard()
+        except Exception:  # interpreter shutdown: the pool may already be gone
+            pass
+
+    def assert_on_device(self, reader: str = "reader") -> None:
+        """Raise unless the group's data is on the device and readable (used by every reader)."""
+        self._expect(SwapState.DEVICE, reader)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _expect(self, state: SwapState, api: str) -> None:
+        if self.stat != state:
+            raise SwapStateError(api, self.stat.value, state.value, self.name)
+
+    def _common_device(self) -> torch.device | None:
+        devices = {e.storage.device for e in self._entries}
+        if len(devices) > 1:
+            raise ValueError(
+                f"swap_pass.SwapTensors: tensors of {self.name or 'one group'} are on several "
+                f"devices ({sorted(str(d) for d in devices)}). A group must be on one device."
+            )
+        return next(iter(devices), None)
+
+    def _streams(self) -> DeviceStreams:
+        return device_streams(self.device, self.config.use_streams)
+
+    def _pin(self) -> bool:
+        return self.config.pin_memory and self._streams().is_async
+
+    def _acquire_host_buffers(self) -> bool:
+        """Give every entry a host buffer; False when host memory ran out and policy keeps data."""
+        if not self._entries:
+            return True
+        pool, pin = host_pool(), self._pin()
+        try:
+            for e in self._entries:
+                e.host = pool.acquire(e.nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
+        except HostMemoryError:
+            self._release_host_buffers()
+            if self.config.on_host_exhausted == OnHostExhausted.ERROR:
+                raise
+            _warn_keep_on_device(self.name)
+            stats.record(kept_on_device=1)
+            return False
+        return True
+
+    def _release_host_buffers(self) -> None:
+        pool = host_pool()
+        for e in self._entries:
+            if e.host is not None:
+                pool.release(e.host)
+                e.host = None
+
+    def _abandon_d2h(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # the copy must finish writing before its buffer is reused
+            self._event = None
+        self._release_host_buffers()
+        self.kept_on_device = False
+        self.stat = SwapState.DEVICE
+
+    def _snapshot_versions(self) -> None:
+        for e in self._entries:
+            e.versions = [t._version for t in e.tensors]
+
+    def _check_unmodified(self, when: str) -> None:
+        for e in self._entries:
+            for t, v in zip(e.tensors, e.versions):
+                if t._version != v:
+                    raise SwapDataError(
+                        f"swap_pass.SwapTensors: a tensor of {self.name or 'a swap group'} "
+                        f"(shape {tuple(t.shape)}, {t.dtype}) was modified in place {when} "
+                        f"(version {v} -> {t._version}). A swapped tensor must not be written "
+                        "between swap-out and swap-in; clone it before modifying it."
+                    )
+
+
+def _warn_keep_on_device(name: str | None) -> None:
+    global _warned_keep_on_device
+    if not _warned_keep_on_device:
+        _warned_keep_on_device = True
+        warnings.warn(
+            f"swap_pass: host memory exhausted while swapping {name or 'a group'}; under "
+            "SwapConfig(on_host_exhausted='keep_on_device') such tensors stay on the device. "
+            "Training continues with more device memory in use. (Shown once.)",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,90 @@
+"""SwapLayerInputManager: registration, FIFO pairing of micro-batches, cleanup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swap_pass
+from swap_pass import SwapLayerInputManager
+
+
+def test_registration_order_and_tags() -> None:
+    a = [SwapLayerInputManager("enc") for _ in range(3)]
+    b = SwapLayerInputManager("dec")
+    assert [m.layer_idx for m in a] == [0, 1, 2]
+    assert all(m.num_layers == 3 for m in a) and b.num_layers == 1
+    assert SwapLayerInputManager.manager_map == {"enc": a, "dec": [b]}
+    assert a[2].is_last_layer and not a[0].is_last_layer
+    assert a[1].previous is a[0] and a[1].next is a[2] and a[0].previous is None
+    a[1].unregister()
+    assert [m.layer_idx for m in SwapLayerInputManager.managers("enc")] == [0, 1]
+
+
+def test_fifo_with_three_micro_batches(device) -> None:
+    manager = SwapLayerInputManager()
+    inputs = [torch.full((16,), float(mb), device=device) for mb in range(3)]
+    groups = [manager.swap_out([x]) for x in inputs]
+    manager.free_swapped_out()
+    assert [g.stat for g in manager.batch_stack] == ["host"] * 3
+    assert all(x.untyped_storage().nbytes() == 0 for x in inputs)
+    for mb in range(3):  # backwards arrive in forward order; each gets its own micro-batch
+        manager.prefetch()
+        assert manager.batch_stack[0].stat == "h2d"
+        group = manager.wait_swap_in()
+        assert group is groups[mb]
+        assert torch.equal(inputs[mb], torch.full((16,), float(mb), device=device))
+        assert all(x.untyped_storage().nbytes() == 0 for x in inputs[mb + 1:])
+    assert manager.batch_stack == []
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+def test_wait_swap_in_from_any_state(device) -> None:
+    manager = SwapLayerInputManager()
+    x = torch.randn(8, device=device)
+    ref = x.clone()
+    manager.swap_out([x])  # still "d2h": backward came before the free
+    manager.wait_swap_in()
+    assert torch.equal(x, ref)
+    manager.swap_out([x])
+    manager.free_swapped_out()  # "host", never prefetched
+    manager.wait_swap_in()
+    assert torch.equal(x, ref)
+
+
+def test_explicit_group_removed_by_identity(device) -> None:
+    manager = SwapLayerInputManager()
+    xs = [torch.randn(4, device=device) for _ in range(2)]
+    g0, g1 = (manager.swap_out([x]) for x in xs)
+    manager.free_swapped_out()
+    manager.wait_swap_in(g1)
+    assert manager.batch_stack == [g0]
+
+
+def test_reset_leaves_zero_host_bytes(device) -> None:
+    managers = [SwapLayerInputManager() for _ in range(3)]
+    for m in managers:
+        m.swap_out([torch.randn(64, device=device)])
+        m.free_swapped_out()
+    assert swap_pass.swap_stats().host_bytes_in_use == 3 * 256
+    swap_pass.reset()
+    s = swap_pass.swap_stats()
+    assert s.host_bytes_in_use == 0 and s.host_bytes_reserved == 0
+    assert SwapLayerInputManager.manager_map == {}
+    assert all(m.batch_stack == [] for m in managers)
+
+
+def test_prefetch_flag_from_config() -> None:
+    assert not SwapLayerInputManager(prefetch=False).prefetch_enabled
+    assert not SwapLayerInputManager(config=swap_pass.SwapConfig(prefetch=False)).prefetch_enabled
+    assert SwapLayerInputManager().prefetch_enabled
+
+
+def test_empty_group_is_harmless(device) -> None:
+    manager = SwapLayerInputManager()
+    group = manager.swap_out([torch.nn.Parameter(torch.randn(3, device=device))])
+    assert group.is_empty
+    manager.free_swapped_out()
+    assert manager.wait_swap_in() is group
+    with pytest.raises(swap_pass.SwapStateError):
+        group.wait_d2h()

@@ -1,0 +1,216 @@
+"""SwapTensors: state machine, bitwise round trips, storage really freed, buffers pooled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swap_pass
+from swap_pass import SwapConfig, SwapStateError, SwapTensors, is_valid_for_swap
+from swap_pass.runtime import host_pool
+
+STATES = ["device", "d2h", "host", "h2d"]
+TRANSITIONS = {  # method -> the only state it may be called in
+    "swap_to_host": "device",
+    "wait_d2h": "d2h",
+    "swap_to_device": "host",
+    "wait_h2d": "h2d",
+}
+ORDER = ["swap_to_host", "wait_d2h", "swap_to_device", "wait_h2d"]
+
+
+def _group_in_state(state: str, device: torch.device) -> SwapTensors:
+    group = SwapTensors([torch.randn(8, 8, device=device)])
+    for method in ORDER[: STATES.index(state)]:
+        getattr(group, method)()
+    assert group.stat == state
+    return group
+
+
+def _round_trip(group: SwapTensors) -> None:
+    group.swap_to_host()
+    group.wait_d2h()
+    group.swap_to_device()
+    group.wait_h2d()
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("method", ORDER)
+def test_every_transition_legal_only_in_its_state(method: str, state: str, device) -> None:
+    group = _group_in_state(state, device)
+    if TRANSITIONS[method] == state:
+        getattr(group, method)()
+        assert group.stat == STATES[(STATES.index(state) + 1) % 4]
+    else:
+        with pytest.raises(SwapStateError) as err:
+            getattr(group, method)()
+        assert repr(state) in str(err.value) and repr(TRANSITIONS[method]) in str(err.value)
+        assert group.stat == state
+
+
+def _cases(device):
+    base = torch.arange(64 * 3, dtype=torch.float32, device=device).reshape(64, 3)
+    return {
+        "contiguous": [torch.randn(16, 32, device=device)],
+        "transposed": [torch.randn(16, 32, device=device).t()],
+        "slice": [base[10:20, 1:]],
+        "two_views": [base[:8], base.view(-1)[5:50]],
+        "zero_dim": [torch.tensor(3.25, device=device)],
+        "bf16": [torch.randn(7, 5, device=device).to(torch.bfloat16)],
+        "fp16": [torch.randn(7, 5, device=device).to(torch.float16)],
+        "fp32_offset": [torch.randn(100, device=device)[37:]],
+        "int64": [torch.randint(-(2**40), 2**40, (33,), device=device)],
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases("cpu")))
+def test_round_trip_bitwise(case: str, device, use_streams) -> None:
+    tensors = _cases(device)[case]
+    before = [(t.clone(), t.stride(), t.storage_offset(), t.dtype) for t in tensors]
+    group = SwapTensors(tensors, config=SwapConfig(use_streams=use_streams))
+    group.swap_to_host()
+    group.wait_d2h()
+    for t in tensors:
+        assert t.untyped_storage().nbytes() == 0, "device storage must be freed after wait_d2h"
+    group.swap_to_device()
+    group.wait_h2d()
+    for t, (ref, stride, offset, dtype) in zip(tensors, before):
+        assert torch.equal(t, ref)
+        assert (t.stride(), t.storage_offset(), t.dtype) == (stride, offset, dtype)
+
+
+def test_shared_storage_swapped_once_whole(device) -> None:
+    base = torch.randn(10, 10, device=device)
+    a, b = base[2:4], base[:, 3]
+    group = SwapTensors([a, b, base])
+    assert group.nbytes == base.untyped_storage().nbytes() == 400
+    group.swap_to_host()
+    assert swap_pass.swap_stats().swapped_out_bytes == 400
+
+
+def test_host_buffer_back_in_pool_after_wait_h2d(device) -> None:
+    t = torch.randn(32, 32, device=device)
+    group = SwapTensors([t])
+    group.swap_to_host()
+    assert swap_pass.swap_stats().host_bytes_in_use == t.nbytes
+    group.wait_d2h()
+    group.swap_to_device()
+    assert swap_pass.swap_stats().host_bytes_in_use == t.nbytes
+    group.wait_h2d()
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
+    assert host_pool().bytes_reserved == t.nbytes  # cached, ready for reuse
+
+
+def test_pool_reuses_buffers_across_steps(device) -> None:
+    tensors = [torch.randn(n, n, device=device) for n in (64, 32, 16)]
+    _round_trip(SwapTensors(tensors[:2]))
+    _round_trip(SwapTensors(tensors[2:]))
+    allocs = swap_pass.swap_stats().host_allocations
+    for _ in range(3):  # later steps of the same shapes allocate nothing new
+        _round_trip(SwapTensors(tensors[:2]))
+        _round_trip(SwapTensors(tensors[2:]))
+    assert swap_pass.swap_stats().host_allocations == allocs == 3
+
+
+def test_parameters_and_their_views_refused(device) -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4, device=device))
+    assert not is_valid_for_swap(p)
+    assert not is_valid_for_swap(p[1:])
+    assert not is_valid_for_swap(p.view(-1))
+    assert not is_valid_for_swap("not a tensor")
+    assert not is_valid_for_swap(torch.empty(0, device=device))
+    assert is_valid_for_swap(torch.randn(3, device=device))
+    group = SwapTensors([p, p[1:], torch.randn(2, device=device)])
+    group.swap_to_host()
+    group.wait_d2h()
+    assert p.untyped_storage().nbytes() == 64, "a Parameter must keep its storage"
+
+
+def test_freed_storage_is_not_valid_again(device) -> None:
+    t = torch.randn(4, device=device)
+    group = SwapTensors([t])
+    group.swap_to_host()
+    group.wait_d2h()
+    assert not is_valid_for_swap(t)
+
+
+def test_custom_check_fn_respected(device) -> None:
+    big, small = torch.randn(100, device=device), torch.randn(3, device=device)
+    group = SwapTensors([big, small], custom_check_fn=lambda t: t.numel() > 10)
+    group.swap_to_host()
+    group.wait_d2h()
+    assert big.untyped_storage().nbytes() == 0
+    assert small.untyped_storage().nbytes() == 12
+    assert is_valid_for_swap(small) and not is_valid_for_swap(small, lambda t: False)
+
+
+def test_min_swap_bytes_keeps_small_storages(device) -> None:
+    big, small = torch.randn(100, device=device), torch.randn(3, device=device)
+    group = SwapTensors([big, small], config=SwapConfig(min_swap_bytes=64))
+    group.swap_to_host()
+    group.wait_d2h()
+    assert big.untyped_storage().nbytes() == 0 and small.untyped_storage().nbytes() == 12
+
+
+def test_stats_count_bytes_both_ways(device) -> None:
+    t = torch.randn(10, 10, device=device)
+    _round_trip(SwapTensors([t]))
+    s = swap_pass.swap_stats()
+    assert (s.swap_outs, s.swap_ins, s.swapped_out_bytes, s.swapped_in_bytes) == (1, 1, 400, 400)
+    assert s.peak_host_bytes_in_use == 400 and s.host_bytes_in_use == 0
+    assert s.peak_device_bytes_released == 400 and s.device_bytes_released == 0
+
+
+def test_restore_from_every_state_keeps_data(device) -> None:
+    for state in STATES:
+        group = _group_in_state(state, device)
+        ref = None if state in ("host", "h2d") else group.tensors[0].clone()
+        group.restore()
+        assert group.stat == "device"
+        assert group.tensors[0].untyped_storage().nbytes() == 256
+        if ref is not None:
+            assert torch.equal(group.tensors[0], ref)
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+def test_restore_after_host_is_bitwise(device) -> None:
+    t = torch.randn(5, 5, device=device)
+    ref = t.clone()
+    group = SwapTensors([t])
+    group.swap_to_host()
+    group.wait_d2h()
+    group.restore()
+    assert torch.equal(t, ref)
+
+
+def test_discard_releases_host_bytes(device) -> None:
+    for state in STATES:
+        group = _group_in_state(state, device)
+        group.discard()
+        assert group.stat == "device" and group.is_empty
+    s = swap_pass.swap_stats()
+    assert s.host_bytes_in_use == 0 and s.device_bytes_released == 0
+
+
+def test_assert_on_device_catches_early_reader(device) -> None:
+    group = _group_in_state("h2d", device)
+    with pytest.raises(SwapStateError, match="'h2d'"):
+        group.assert_on_device("layer 3 recompute")
+    group.wait_h2d()
+    group.assert_on_device("layer 3 recompute")
+
+
+def test_tensors_on_two_devices_refused() -> None:
+    a = torch.randn(2)
+    b = torch.randn(2, device="meta")
+    # meta tensors are not valid for swap, so only one device remains: accepted
+    assert SwapTensors([a, b]).device == torch.device("cpu")
+
+
+def test_in_place_write_during_d2h_detected(device) -> None:
+    t = torch.randn(4, device=device)
+    group = SwapTensors([t], name="layers.3")
+    group.swap_to_host()
+    t.add_(1)
+    with pytest.raises(swap_pass.SwapDataError, match="layers.3"):
+        group.wait_d2h()
