@@ -1,0 +1,245 @@
+"""SmartSwap's two profilers, both fed by the ``saved_tensors_hooks`` pack/unpack calls.
+
+* **Lightweight** (every step): one integer key per saved tensor from cheap features (producing
+  op, module call site, dtype, shape, whether it is model state); the step's signature is the
+  hash of the key sequence. Comparing signatures detects a changed operator sequence.
+* **Detailed** (one step when a plan is needed): per saved tensor the same features plus bytes,
+  storage, forward order and backward use order; per storage when it could leave the device
+  (nothing but autograd holds it), when it was first read back and when autograd dropped it.
+  Events carry a global tick, so the memory curve of the step can be replayed for any swap
+  choice (:func:`swap_pass.smart.policy.replay_peak`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DetailedProfile",
+    "FeatureTracker",
+    "LightweightProfiler",
+    "SavedRecord",
+    "StorageLife",
+    "feature_key",
+    "sequence_distance",
+]
+
+
+# --- features ---------------------------------------------------------------------------------
+
+
+def op_name(tensor: torch.Tensor) -> str:
+    """Name of the autograd node that produced ``tensor`` (``"leaf"`` for leaves and constants)."""
+    fn = tensor.grad_fn
+    return "leaf" if fn is None else type(fn).__name__
+
+
+def feature_key(op: str, fqn: str, dtype: torch.dtype, shape: tuple, is_state: bool) -> int:
+    """The integer key of one saved tensor: what fuzzy matching and the signature compare."""
+    return hash((op, fqn, dtype, tuple(shape), is_state))
+
+
+def sequence_distance(a: list[int], b: list[int]) -> float:
+    """0.0 for equal key sequences, up to 1.0 for nothing in common (1 - difflib ratio)."""
+    if a == b:
+        return 0.0
+    return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+class FeatureTracker:
+    """Keeps the fully qualified name of the innermost module running, via forward hooks.
+
+    Args:
+        model: The model whose submodules are tracked.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._stack: list[str] = [""]
+        self._handles = []
+        self.post_forward_callbacks: list = []
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(name)))
+            self._handles.append(module.register_forward_hook(self._post, always_call=True))
+
+    def _make_pre(self, name: str):
+        def pre(module, args):
+            self._stack.append(name)
+        return pre
+
+    def _post(self, module, args, output) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+        for cb in self.post_forward_callbacks:
+            cb()
+
+    @property
+    def fqn(self) -> str:
+        """The module now running (``""`` outside the model)."""
+        return self._stack[-1]
+
+    def reset(self) -> None:
+        """Forget an unbalanced stack (after an exception mid-forward)."""
+        del self._stack[1:]
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+# --- detailed profile -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SavedRecord:
+    """One saved tensor of the profiled step (one pack call).
+
+    Attributes:
+        index: Forward order (pack order) in the step.
+        op: Producing autograd node name (see :func:`op_name`).
+        fqn: Module that was running when it was saved.
+        dtype: Its dtype.
+        shape: Its shape.
+        nbytes: Bytes of its whole storage.
+        key: :func:`feature_key` of the features above.
+        storage: Ordinal of its storage in the step, or -1 for model state / non-swappable.
+        bwd_order: Rank of its first unpack in backward, or -1 if never unpacked.
+    """
+
+    index: int
+    op: str
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple
+    nbytes: int
+    key: int
+    storage: int = -1
+    bwd_order: int = -1
+
+
+@dataclasses.dataclass
+class StorageLife:
+    """Ticks in the life of one activation storage during the profiled step.
+
+    Attributes:
+        nbytes: Bytes of the storage.
+        packed: Tick of its first pack.
+        released: Tick at which nothing but autograd held it (it could leave), or None.
+        unpacked: Tick of its first unpack in backward, or None.
+        dropped: Tick at which autograd let go of it, or None (then: the end of the step).
+        entries: Indices of the :class:`SavedRecord` s that share it.
+    """
+
+    nbytes: int
+    packed: int
+    released: int | None = None
+    unpacked: int | None = None
+    dropped: int | None = None
+    entries: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DetailedProfile:
+    """Everything the policy needs about one step.
+
+    Attributes:
+        records: One :class:`SavedRecord` per pack, in forward order.
+        storages: One :class:`StorageLife` per activation storage, by ordinal.
+        unpack_ticks: Tick of each unpack, in backward order, with the record index unpacked.
+        backward_tick: Tick of the first unpack (start of backward), or None.
+        end_tick: Last tick of the step.
+        step_s: Wall time of the step (``step()`` to ``step()``), seconds.
+        transfer_s: Seconds the executor spent in synchronous copies during the step.
+    """
+
+    records: list[SavedRecord] = dataclasses.field(default_factory=list)
+    storages: list[StorageLife] = dataclasses.field(default_factory=list)
+    unpack_ticks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    backward_tick: int | None = None
+    end_tick: int = 0
+    step_s: float = 0.0
+    transfer_s: float = 0.0
+
+    @property
+    def keys(self) -> list[int]:
+        """Feature keys in forward order."""
+        return [r.key for r in self.records]
+
+    def saved_bytes(self) -> int:
+        """Bytes of all activation storages saved in the step (the unswapped resident peak)."""
+        return sum(s.nbytes for s in self.storages)
+
+    def compute_s(self) -> float:
+        """Step time without the executor's synchronous copies (never below 10% of the step)."""
+        return max(self.step_s - self.transfer_s, 0.1 * self.step_s)
+
+
+# --- lightweight profiler on its own (for the overhead benchmark) -------------------------------
+
+
+class LightweightProfiler:
+    """The lightweight profiler alone: keys and signature per step, nothing swapped.
+
+    SmartSwap runs the same feature code inside its executor; this class exists so that its cost
+    can be measured apart (``swap_pass.smart.bench.profiler_overhead_rows``).
+
+    Args:
+        model: The model to watch.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.keys: list[int] = []
+        self.signatures: list[int] = []
+        self._tracker: FeatureTracker | None = None
+        self._hooks = None
+        self._state: set[int] = set()
+
+    def __enter__(self) -> LightweightProfiler:
+        self._tracker = FeatureTracker(self.model)
+        self._state = state_storage_ptrs(self.model)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._tracker.remove()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        is_state = t.untyped_storage().data_ptr() in self._state
+        self.keys.append(feature_key(op_name(t), self._tracker.fqn, t.dtype, t.shape, is_state))
+        return t
+
+    def step(self) -> int:
+        """Close the step: return its signature and start a new key sequence."""
+        sig = hash(tuple(self.keys))
+        self.signatures.append(sig)
+        self.keys = []
+        return sig
+
+
+def _identity(x):
+    return x
+
+
+def _state_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def state_storage_ptrs(model: nn.Module) -> set[int]:
+    """Data pointers of the storages of the model's parameters and buffers."""
+    return {t.untyped_storage().data_ptr() for t in _state_tensors(model) if t.device.type != "meta"}
+
+
+def now() -> float:
+    """Monotonic seconds (one place to change the clock)."""
+    return time.perf_counter()

@@ -1,0 +1,248 @@
+"""``SmartSwap``: profile, plan and swap saved activations under a memory budget, in eager mode.
+
+::
+
+    with SmartSwap(model, memory_budget=0.25) as smart:   # bytes, or a fraction of the saved peak
+        for batch in data:
+            loss = model(*batch); loss.backward(); opt.step(); opt.zero_grad()
+            smart.step()                                   # stage machine advances here
+
+Steps run in one of three stages (``smart.stage``; history in ``smart.stage_log``): ``warmup``
+and ``gen_policy`` swap conservatively (every eligible activation leaves once only autograd
+holds it), ``gen_policy`` also records a detailed profile from which ``smart.policy`` is built;
+``stable`` follows the policy and compares each step's lightweight signature with the plan's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from swap_pass.config import SwapConfig
+from swap_pass.runtime import register_reset_hook
+from swap_pass.smart.executor import ExecMode, SmartExecutor, StepReport, measure_copy_bandwidth
+from swap_pass.smart.policy import SwapPolicy, gen_policy
+from swap_pass.smart.profiler import (
+    DetailedProfile,
+    FeatureTracker,
+    now,
+    sequence_distance,
+    state_storage_ptrs,
+)
+from swap_pass.smart.stages import Stage, StageController, StageEvent
+
+__all__ = ["SmartSwap", "SmartSwapConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SmartSwapConfig:
+    """Knobs of :class:`SmartSwap`.
+
+    Args:
+        warmup_steps: Steps before the first detailed profile. Default: ``1``.
+        num_groups: Logical layers the policy cuts the saved sequence into. Default: ``8``.
+        min_swap_bytes: Storages smaller than this stay on the device. Default: ``1024``.
+        signature_threshold: Signature distance (0..1, 1 - difflib ratio of the key sequences)
+            above which a stable plan is re-made; at or below, fuzzy matching absorbs the
+            change. Default: ``0.1``.
+        match_window: How far ahead of the cursor a live tensor may match a plan entry.
+            Default: ``64``.
+        miss_limit: Consecutive unmatched tensors after which a planned step turns
+            conservative for the rest of the step. Default: ``8``.
+        max_prefetch_depth: Deepest prefetch (in groups) the policy tries. Default: ``4``.
+        fwd_fraction: Share of compute spent in forward, for the simulator. Default: ``1/3``.
+        d2h_bandwidth: Bytes/s; measured on first need when None. Default: ``None``.
+        h2d_bandwidth: Bytes/s; the measured d2h figure when None. Default: ``None``.
+        swap: Runtime knobs (host cap, streams, pinning) for the groups. Default: ``SwapConfig()``.
+    """
+
+    warmup_steps: int = 1
+    num_groups: int = 8
+    min_swap_bytes: int = 1024
+    signature_threshold: float = 0.1
+    match_window: int = 64
+    miss_limit: int = 8
+    max_prefetch_depth: int = 4
+    fwd_fraction: float = 1 / 3
+    d2h_bandwidth: float | None = None
+    h2d_bandwidth: float | None = None
+    swap: SwapConfig = dataclasses.field(default_factory=SwapConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "min_swap_bytes", "max_prefetch_depth"):
+            _check(name, getattr(self, name), getattr(self, name) >= 0, ">= 0")
+        for name in ("num_groups", "match_window", "miss_limit"):
+            _check(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
+        _check("signature_threshold", self.signature_threshold, 0 <= self.signature_threshold <= 1, "in [0, 1]")
+        _check("fwd_fraction", self.fwd_fraction, 0 < self.fwd_fraction < 1, "in (0, 1)")
+        for name in ("d2h_bandwidth", "h2d_bandwidth"):
+            v = getattr(self, name)
+            _check(name, v, v is None or v > 0, "None or > 0")
+
+
+def _check(name: str, value, ok: bool, must: str) -> None:
+    if not ok:
+        raise ValueError(f"swap_pass.SmartSwapConfig: {name}={value!r} is invalid. It must be {must}.")
+
+
+_MODE = {Stage.WARMUP: ExecMode.CONSERVATIVE, Stage.GEN_POLICY: ExecMode.DETAILED,
+         Stage.STABLE: ExecMode.PLANNED}
+_active: list[SmartSwap] = []
+
+
+@register_reset_hook
+def _reset_active() -> None:
+    for smart in list(_active):
+        smart.close()
+
+
+class SmartSwap:
+    """Adaptive swapping of saved activations under a memory budget (context manager).
+
+    Args:
+        model: The model; its parameters and buffers are never swapped, and its modules give
+            the call-site feature.
+        memory_budget: Resident saved-activation bytes allowed (``int``), or a fraction in
+            ``(0, 1]`` of the unswapped saved-activation peak measured by the detailed profile.
+        config: :class:`SmartSwapConfig`, or a :class:`~swap_pass.SwapConfig` for the runtime
+            knobs alone. Default: ``SmartSwapConfig()``.
+
+    Attributes:
+        stage: ``"warmup"``, ``"gen_policy"`` or ``"stable"`` (the stage of the coming step).
+        stage_log: :class:`StageEvent` per transition or absorbed change.
+        policy: The current :class:`SwapPolicy`, or None before the first plan.
+        last_profile: The latest :class:`DetailedProfile`.
+        last_report: The :class:`StepReport` of the latest step.
+        steps: Steps completed (calls to :meth:`step`).
+    """
+
+    def __init__(self, model: nn.Module, *, memory_budget: int | float,
+                 config: SmartSwapConfig | SwapConfig | None = None) -> None:
+        if isinstance(config, SwapConfig):
+            config = SmartSwapConfig(swap=config)
+        self.config = config = config or SmartSwapConfig()
+        _check_budget(memory_budget)
+        self.model = model
+        self.memory_budget = memory_budget
+        self._controller = StageController(config.warmup_steps, config.signature_threshold)
+        self._executor = SmartExecutor(config.swap, min_swap_bytes=config.min_swap_bytes,
+                                       match_window=config.match_window, miss_limit=config.miss_limit)
+        self.policy: SwapPolicy | None = None
+        self.last_profile: DetailedProfile | None = None
+        self.last_report: StepReport | None = None
+        self.steps = 0
+        self._absorbed: set[int] = set()
+        self._bandwidth: tuple[float, float] | None = None
+        self._tracker: FeatureTracker | None = None
+        self._hooks = None
+
+    # --- public -------------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> Stage:
+        """Stage of the coming step."""
+        return self._controller.stage
+
+    @property
+    def stage_log(self) -> list[StageEvent]:
+        """Every stage transition (and absorbed small change), oldest first."""
+        return list(self._controller.log)
+
+    @property
+    def replans(self) -> int:
+        """How many times a stable plan was dropped for a new one."""
+        return self._controller.replans
+
+    def __enter__(self) -> SmartSwap:
+        if self._hooks is not None:
+            raise RuntimeError("swap_pass.SmartSwap: entered twice. It must be entered once at a time.")
+        self._tracker = FeatureTracker(self.model)
+        self._tracker.post_forward_callbacks.append(self._executor.poll)
+        self._executor.fqn = lambda: self._tracker.fqn
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack, self._executor.unpack)
+        self._hooks.__enter__()
+        _active.append(self)
+        self._begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook. Tensors already saved keep working (their unpack still restores)."""
+        if self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        self._tracker.remove()
+        if self in _active:
+            _active.remove(self)
+
+    def step(self) -> Stage:
+        """Close the step (after backward and the optimizer step); return the next step's stage."""
+        report = self._executor.end_step(now() - self._t0)
+        self.last_report = report
+        built, distance = False, None
+        if self.stage == Stage.GEN_POLICY:
+            self.last_profile = report.profile
+            self.policy = self._plan(report.profile)
+            self._absorbed.clear()
+            built = True
+        elif self.stage == Stage.STABLE:
+            distance = self._distance(report)
+        self._controller.end_step(self.steps, policy_built=built, distance=distance)
+        self.steps += 1
+        self._begin()
+        return self.stage
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        self._executor.state_ptrs = state_storage_ptrs(self.model)
+        self._tracker.reset()
+        stage = self.stage
+        self._executor.begin_step(_MODE[stage], self.policy if stage == Stage.STABLE else None)
+        self._t0 = now()
+
+    def _distance(self, report: StepReport) -> float | None:
+        if report.signature == self.policy.signature or report.signature in self._absorbed:
+            return None
+        distance = sequence_distance(report.keys, self.policy.keys)
+        if distance <= self.config.signature_threshold:
+            self._absorbed.add(report.signature)
+        return distance
+
+    def _plan(self, profile: DetailedProfile) -> SwapPolicy:
+        d2h, h2d = self._bandwidths()
+        c = self.config
+        return gen_policy(profile, self._budget_bytes(profile), num_groups=c.num_groups,
+                          min_swap_bytes=c.min_swap_bytes, max_prefetch_depth=c.max_prefetch_depth,
+                          fwd_fraction=c.fwd_fraction, d2h_bandwidth=d2h, h2d_bandwidth=h2d)
+
+    def _budget_bytes(self, profile: DetailedProfile) -> int:
+        if isinstance(self.memory_budget, float):
+            from swap_pass.smart.policy import replay_peak
+            return int(self.memory_budget * replay_peak(profile, set(), 0, 1)[0])
+        return int(self.memory_budget)
+
+    def _bandwidths(self) -> tuple[float, float]:
+        if self._bandwidth is None:
+            c = self.config
+            d2h = c.d2h_bandwidth
+            if d2h is None:
+                device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+                d2h = measure_copy_bandwidth(device)
+            self._bandwidth = (d2h, c.h2d_bandwidth or d2h)
+        return self._bandwidth
+
+
+def _check_budget(budget) -> None:
+    ok = (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0) or (
+        isinstance(budget, float) and 0 < budget <= 1)
+    if not ok:
+        raise ValueError(
+            f"swap_pass.SmartSwap: memory_budget={budget!r} is invalid. It must be an int of "
+            "bytes >= 0 or a float fraction in (0, 1] of the unswapped saved-activation peak."
+        )
