@@ -27,6 +27,9 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
+# --- adaptive (SmartSwap, issue 6) ---
+from swap_pass.smart import SmartSwap, SmartSwapConfig  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,6 +43,9 @@ __all__ = [
     "is_valid_for_swap",
     "reset",
     "swap_stats",
+    # --- adaptive (SmartSwap) ---
+    "SmartSwap",
+    "SmartSwapConfig",
     # --- errors ---
     "HostMemoryError",
     "SwapDataError",

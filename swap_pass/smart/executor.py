@@ -89,7 +89,8 @@ class OnlineMatcher:
     """Aligns live feature keys to a planned sequence as they arrive, tolerating edits.
 
     Each key is looked up at or after the cursor, at most ``window`` positions ahead: a removed
-    op skips positions, an inserted op's key finds nothing and stays unmatched.
+    op skips positions, an inserted op's key finds nothing and stays unmatched. ``streak``
+    counts consecutive misses.
 
     Args:
         keys: The planned key sequence.
@@ -206,6 +207,7 @@ class SmartExecutor:
         self._released: list[weakref.ref] = []  # swapped slots in release order
         self._t_transfer = 0.0
         self._n_storages = 0
+        self._miss_streak = 0
 
     def end_step(self, step_s: float) -> StepReport:
         """Finish the step: complete copies, close the profile, return the :class:`StepReport`."""
@@ -262,9 +264,11 @@ class SmartExecutor:
 
     def _pack_planned(self, t, storage, key, is_state):
         j = self.matcher.match(key)
+        if not is_state:  # model state matches whatever the activations do: it proves nothing
+            self._miss_streak = 0 if j is not None else self._miss_streak + 1
         if j is None:
             self.report.unmatched += 1
-            if self.matcher.streak >= self.miss_limit:
+            if self._miss_streak >= self.miss_limit:
                 self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
             return t
         self.report.matched += 1
@@ -309,28 +313,34 @@ class SmartExecutor:
             profile.storages[ordinal].dropped = self.tick
 
     def _release(self, slot: _Slot) -> None:
-        if self.profile is not None:
-            self.profile.storages[slot.ordinal].released = self.tick
         if not slot.swap:
+            self._mark_off(slot)
             return
         t0 = now()
         group = SwapTensors(slot.aliases, config=self.swap_config, name=f"smart#{slot.ordinal}")
         slot.group = group
         group.swap_to_host()
         if group.device is not None and is_async_device(group.device):
-            self._inflight.append(slot)
+            self._inflight.append(slot)  # freed at the next poll, so the copy overlaps compute
         else:
             group.wait_d2h()
+            self._mark_off(slot)
         self._t_transfer += now() - t0
         slot.order = len(self._released)
         self._released.append(weakref.ref(slot))
         self.report.swapped_storages += 1
         self.report.swapped_bytes += group.nbytes
 
+    def _mark_off(self, slot: _Slot) -> None:
+        """Profile: from this tick the storage could be (or is) off the device."""
+        if self.profile is not None:
+            self.profile.storages[slot.ordinal].released = self.tick
+
     def _complete_inflight(self) -> None:
         for slot in self._inflight:
             if slot.group.stat == SwapState.D2H:
                 slot.group.wait_d2h()
+                self._mark_off(slot)
         self._inflight.clear()
 
     # --- backward -----------------------------------------------------------------------------

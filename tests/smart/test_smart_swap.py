@@ -1,0 +1,147 @@
+"""SmartSwap end to end on the Llama-style model: budget, exactness, re-planning, fuzzy matching.
+
+Every run is compared with a deep copy of the same model trained without any hooks
+(``torch.equal`` on the loss and every gradient). Resident saved bytes come from
+:class:`SavedBytesCounter`, which reads storage sizes and never SmartSwap's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import swap_pass
+from swap_pass import SmartSwap, SwapConfig
+from swap_pass.models import make_batch
+from swap_pass.smart import SmartSwapConfig, Stage
+
+from .helpers import SavedBytesCounter, tiny_model
+
+BATCH, SEQ = 2, 32
+
+
+def _no_hooks():
+    """Run the reference model with no saved-tensor hooks, even inside SmartSwap's context."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+class Pair:
+    """A model under SmartSwap and its unswapped twin, stepped together and compared exactly."""
+
+    def __init__(self, device="cpu", **cfg) -> None:
+        self.model = tiny_model(**cfg).to(device)
+        self.ref = copy.deepcopy(self.model)
+        self.device = device
+
+    def step(self, smart: SmartSwap, seq: int = SEQ, batch: int = BATCH, seed: int = 0) -> SavedBytesCounter:
+        ids, labels = make_batch(self.model.cfg, batch, seq, seed=seed, device=self.device)
+        with _no_hooks():
+            ref_loss = self.ref(ids, labels)
+            ref_loss.backward()
+        with SavedBytesCounter(self.model) as counter:
+            loss = self.model(ids, labels)
+            counter.sample()
+            loss.backward()
+        assert torch.equal(loss, ref_loss)
+        for p, q in zip(self.model.parameters(), self.ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        self.model.zero_grad(set_to_none=True)
+        self.ref.zero_grad(set_to_none=True)
+        smart.step()
+        return counter
+
+
+def _unswapped_peak(pair: Pair, seq: int = SEQ, batch: int = BATCH) -> int:
+    model = copy.deepcopy(pair.model)
+    ids, labels = make_batch(model.cfg, batch, seq, device=pair.device)
+    with SavedBytesCounter(model) as counter:
+        model(ids, labels).backward()
+    return counter.peak
+
+
+@pytest.mark.parametrize("use_streams", [True, False], ids=["streams", "no_streams"])
+def test_budget_of_a_quarter_holds_and_gradients_are_bitwise_equal(device, use_streams):
+    pair = Pair(device)
+    peak0 = _unswapped_peak(pair)
+    budget = peak0 // 4
+    config = SmartSwapConfig(swap=SwapConfig(use_streams=use_streams))
+    with SmartSwap(pair.model, memory_budget=budget, config=config) as smart:
+        peaks = [pair.step(smart, seed=s).peak for s in range(5)]
+        assert smart.stage == Stage.STABLE
+        policy = smart.policy
+    assert policy.feasible and policy.budget_bytes == budget
+    assert policy.unswapped_peak == peak0  # the profile saw what the independent counter saw
+    assert max(peaks) <= budget, (peaks, budget)
+    assert peaks[-1] == policy.predicted_peak  # replayed prediction == measured, stable steps
+    assert 0 < len(policy.swapped) < len(policy.candidates)  # a choice, not "swap everything"
+
+
+def test_saved_storages_are_really_freed_after_forward():
+    pair = Pair()
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for s in range(3):
+            pair.step(smart, seed=s)
+        ids, labels = make_batch(pair.model.cfg, BATCH, SEQ)
+        with SavedBytesCounter(pair.model) as counter:
+            loss = pair.model(ids, labels)
+            live = [ref() for ref in counter.storages.values()]
+            freed = [s for s in live if s is not None and s.nbytes() == 0]
+            assert len(freed) == len(smart.policy.swapped) > 0
+            loss.backward()
+        assert swap_pass.swap_stats().swap_ins >= len(freed)
+        pair.model.zero_grad(set_to_none=True)
+        smart.step()
+
+
+def test_fifty_steps_with_the_sequence_length_changing_every_ten_replan_each_time():
+    pair = Pair()
+    seqs = [16, 32, 24, 40, 20]
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        stable_peaks = []
+        for step in range(50):
+            stage = smart.stage
+            counter = pair.step(smart, seq=seqs[step // 10], seed=step)
+            if stage == Stage.STABLE and step % 10 != 0:
+                stable_peaks.append((counter.peak, smart.policy.budget_bytes))
+        log = smart.stage_log
+    replans = [e.step for e in log if e.before == Stage.STABLE and e.after == Stage.GEN_POLICY]
+    assert replans == [10, 20, 30, 40]
+    assert all("signature changed" in e.reason for e in log if e.step in replans and e.after == "gen_policy")
+    assert [e.step for e in log if e.after == Stage.STABLE] == [1, 11, 21, 31, 41]
+    assert all(peak <= budget for peak, budget in stable_peaks), stable_peaks
+
+
+def _extra_op(module, args, output):
+    return output * torch.ones_like(output)  # one more op that saves one tensor
+
+
+def test_one_inserted_op_is_absorbed_by_fuzzy_matching_without_a_replan():
+    pair = Pair()
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for s in range(3):
+            pair.step(smart, seed=s)
+        swapped_before = smart.last_report.swapped_storages
+        for m in (pair.model, pair.ref):
+            m.layers[1].post_norm.register_forward_hook(_extra_op)
+        for s in range(3, 6):
+            pair.step(smart, seed=s)
+        report = smart.last_report
+    assert smart.replans == 0 and smart.stage == Stage.STABLE
+    assert report.unmatched == 1 and not report.fell_back
+    assert report.swapped_storages == swapped_before  # the plan still ran in full
+    assert any("absorbed" in e.reason for e in smart.stage_log)
+
+
+def test_a_large_change_replans():
+    pair = Pair()
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for s in range(3):
+            pair.step(smart, seed=s)
+        pair.step(smart, batch=4, seed=3)  # every activation shape changes
+        assert smart.last_report.fell_back
+        assert smart.stage == Stage.GEN_POLICY and smart.replans == 1
+        pair.step(smart, batch=4, seed=4)
+        pair.step(smart, batch=4, seed=5)
+        assert smart.stage == Stage.STABLE and smart.last_report.unmatched == 0
