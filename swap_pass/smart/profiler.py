@@ -57,13 +57,18 @@ class FeatureTracker:
 
     Args:
         model: The model whose submodules are tracked.
+        max_depth: Only modules at most this deep (``"layers.1"`` is depth 2) get hooks: a call
+            site that coarse is enough to tell repeated blocks apart, and every hooked module
+            leaves PyTorch's hook-free fast call path. ``None`` hooks all. Default: ``2``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, max_depth: int | None = 2) -> None:
         self._stack: list[str] = [""]
         self._handles = []
         self.post_forward_callbacks: list = []
         for name, module in model.named_modules():
+            if max_depth is not None and name and name.count(".") + 1 > max_depth:
+                continue
             self._handles.append(module.register_forward_pre_hook(self._make_pre(name)))
             self._handles.append(module.register_forward_hook(self._post, always_call=True))
 
@@ -192,10 +197,12 @@ class LightweightProfiler:
 
     Args:
         model: The model to watch.
+        callsite_depth: See :class:`FeatureTracker`. Default: ``2``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, callsite_depth: int | None = 2) -> None:
         self.model = model
+        self.callsite_depth = callsite_depth
         self.keys: list[int] = []
         self.signatures: list[int] = []
         self._tracker: FeatureTracker | None = None
@@ -203,7 +210,7 @@ class LightweightProfiler:
         self._state: set[int] = set()
 
     def __enter__(self) -> LightweightProfiler:
-        self._tracker = FeatureTracker(self.model)
+        self._tracker = FeatureTracker(self.model, self.callsite_depth)
         self._state = state_storage_ptrs(self.model)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
         self._hooks.__enter__()

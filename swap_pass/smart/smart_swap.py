@@ -55,6 +55,8 @@ class SmartSwapConfig:
         fwd_fraction: Share of compute spent in forward, for the simulator. Default: ``1/3``.
         d2h_bandwidth: Bytes/s; measured on first need when None. Default: ``None``.
         h2d_bandwidth: Bytes/s; the measured d2h figure when None. Default: ``None``.
+        callsite_depth: Depth of the modules whose name is the call-site feature (``2``:
+            ``"layers.1"``); ``None`` for every module. Default: ``2``.
         swap: Runtime knobs (host cap, streams, pinning) for the groups. Default: ``SwapConfig()``.
     """
 
@@ -68,6 +70,7 @@ class SmartSwapConfig:
     fwd_fraction: float = 1 / 3
     d2h_bandwidth: float | None = None
     h2d_bandwidth: float | None = None
+    callsite_depth: int | None = 2
     swap: SwapConfig = dataclasses.field(default_factory=SwapConfig)
 
     def __post_init__(self) -> None:
@@ -158,7 +161,7 @@ class SmartSwap:
     def __enter__(self) -> SmartSwap:
         if self._hooks is not None:
             raise RuntimeError("swap_pass.SmartSwap: entered twice. It must be entered once at a time.")
-        self._tracker = FeatureTracker(self.model)
+        self._tracker = FeatureTracker(self.model, self.config.callsite_depth)
         self._tracker.post_forward_callbacks.append(self._executor.poll)
         self._executor.fqn = lambda: self._tracker.fqn
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack, self._executor.unpack)

@@ -3,65 +3,23 @@
 from __future__ import annotations
 
 import copy
-import weakref
-
 import torch
 
 from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.smart.bench import ResidentSavedBytes
 
 
-class SavedBytesCounter:
-    """Resident bytes of saved activation storages, read from the storages themselves.
-
-    Installed inside whatever saved-tensor hooks are active (SmartSwap's or none), it passes every
-    pack and unpack through to them and keeps only weak references to the storages it saw. After
-    each pack and around each unpack it sums ``untyped_storage().nbytes()`` of the distinct live
-    storages that are not model state: a freed storage reads 0 bytes, so nothing here trusts
-    SmartSwap's own bookkeeping.
-    """
+class SavedBytesCounter(ResidentSavedBytes):
+    """The bench's independent counter (storage sizes, weak references) with its samples kept."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        self.storages: dict[int, weakref.ref] = {}
-        self.peak = 0
+        super().__init__(model)
         self.samples: list[int] = []
-        self._hooks = None
-
-    def __enter__(self) -> SavedBytesCounter:
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        pack, unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-
-        def counted_pack(t):
-            if t.untyped_storage().data_ptr() not in self.state:
-                s = t.untyped_storage()
-                self.storages[s._cdata] = weakref.ref(s)
-            handle = pack(t)
-            self.sample()
-            return handle
-
-        def counted_unpack(h):
-            self.sample()
-            t = unpack(h)
-            self.sample()
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(counted_pack, counted_unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def resident(self) -> int:
-        """Bytes of the saved storages now allocated."""
-        live = (ref() for ref in self.storages.values())
-        return sum(s.nbytes() for s in live if s is not None)
 
     def sample(self) -> int:
-        now = self.resident()
-        self.samples.append(now)
-        self.peak = max(self.peak, now)
-        return now
+        value = super().sample()
+        self.samples.append(value)
+        return value
 
 
 def tiny_model(seed: int = 0, **cfg) -> LlamaStyleModel:

@@ -145,3 +145,23 @@ def test_a_large_change_replans():
         pair.step(smart, batch=4, seed=4)
         pair.step(smart, batch=4, seed=5)
         assert smart.stage == Stage.STABLE and smart.last_report.unmatched == 0
+
+
+def test_a_scrambled_plan_costs_memory_never_data():
+    """Random swap tags and random prefetch triggers: gradients stay bitwise equal."""
+    import dataclasses
+    import random
+
+    pair = Pair()
+    rng = random.Random(0)
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for s in range(3):
+            pair.step(smart, seed=s)
+        for s in range(3, 6):
+            policy = smart.policy
+            entries = [dataclasses.replace(e, swap=rng.random() < 0.5) for e in policy.entries]
+            n = len(entries)
+            prefetch = {rng.randrange(n): rng.sample(range(n), 5) for _ in range(n // 3)}
+            smart.policy = dataclasses.replace(policy, entries=entries, prefetch=prefetch)
+            pair.step(smart, seed=s)  # the next step runs the scrambled plan
+        assert smart.last_report.swapped_storages > 0 and smart.replans == 0
