@@ -138,15 +138,28 @@ class _Slot:
 class _Handle:
     """What autograd keeps for a saved tensor we track."""
 
-    __slots__ = ("slot", "tensor", "index", "planned")
+    __slots__ = ("slot", "tensor", "index", "planned", "version")
 
     def __init__(self, slot: _Slot | None, tensor: torch.Tensor, index: int, planned: bool = False) -> None:
         self.slot, self.tensor, self.index, self.planned = slot, tensor, index, planned
+        self.version = tensor._version
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    """A new tensor over ``t``'s storage that shares its version counter but not its lifetime."""
+    return t.detach()
+
+
+def _check_version(handle: _Handle) -> None:
+    # Note: autograd skips its own version check for tensors saved through hooks; the alias
+    # shares the saved tensor's version counter, so an in-place write is still caught here.
+    if handle.tensor._version != handle.version:
+        t = handle.tensor
+        raise RuntimeError(
+            f"swap_pass.SmartSwap: a tensor saved for backward (shape {tuple(t.shape)}, {t.dtype}) "
+            f"was modified by an inplace operation after it was saved (version {handle.version} -> "
+            f"{t._version}). A saved tensor must not be written before backward; clone it first."
+        )
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 16 << 20, repeats: int = 3) -> float:
@@ -358,6 +371,7 @@ class SmartExecutor:
                 self.report.sync_restores += slot.group.stat != SwapState.H2D
                 self._timed(slot.group.restore)
             slot.group.assert_on_device("SmartSwap.unpack")
+        _check_version(handle)
         if self.profile is not None:
             self._record_unpack(handle)
         self._prefetch_after(handle)

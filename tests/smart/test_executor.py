@@ -195,3 +195,20 @@ def test_bad_arguments_name_what_must_hold(kwargs, match):
         return
     with pytest.raises(ValueError, match=rf"swap_pass\.SmartSwap: {match}.*must be"):
         SmartSwap(nn.Linear(2, 2), **kwargs)
+
+
+class WritesSaved(nn.Module):
+    def forward(self, x):
+        y = x.exp()
+        z = y.sin()  # saves y
+        y.add_(1)  # ...then writes it: backward would read the wrong values
+        return z.sum()
+
+
+def test_inplace_write_after_save_is_caught_like_autograd_does():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        WritesSaved()(x).backward()  # plain autograd
+    with SmartSwap(WritesSaved(), memory_budget=0, config=CONSERVATIVE) as smart:
+        with pytest.raises(RuntimeError, match=r"swap_pass\.SmartSwap: .*modified by an inplace"):
+            smart.model(x).backward()
