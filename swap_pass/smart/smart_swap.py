@@ -184,9 +184,16 @@ class SmartSwap:
             _active.remove(self)
 
     def step(self) -> Stage:
-        """Close the step (after backward and the optimizer step); return the next step's stage."""
+        """Close the step (after backward and the optimizer step); return the next step's stage.
+
+        A step that saved nothing for backward (evaluation, ``no_grad``) neither counts toward
+        warmup nor changes the plan.
+        """
         report = self._executor.end_step(now() - self._t0)
         self.last_report = report
+        if not report.keys:  # nothing saved (eval, no_grad): no evidence either way
+            self._begin()
+            return self.stage
         built, distance = False, None
         if self.stage == Stage.GEN_POLICY:
             self.last_profile = report.profile

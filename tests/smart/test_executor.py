@@ -164,12 +164,22 @@ def test_retain_graph_second_backward_is_exact():
         assert torch.equal(g, h)
 
 
-def test_no_grad_forward_saves_nothing_and_moves_nothing():
+def test_no_grad_steps_move_nothing_and_leave_the_plan_alone():
     model = tiny_model()
-    with SmartSwap(model, memory_budget=0, config=CONSERVATIVE) as smart, torch.no_grad():
-        model(torch.randint(0, 256, (2, 16)))
+    ids = torch.randint(0, 256, (2, 16))
+    with SmartSwap(model, memory_budget=0.25) as smart:
+        for _ in range(2):
+            model(ids, ids).backward()
+            smart.step()
+        assert smart.stage == "stable"
+        log, outs = smart.stage_log, swap_pass.swap_stats().swap_outs
+        with torch.no_grad():
+            model(ids, ids)
+        smart.step()  # an evaluation step between training steps
+        assert smart.last_report.keys == [] and swap_pass.swap_stats().swap_outs == outs
+        model(ids, ids).backward()
         smart.step()
-    assert swap_pass.swap_stats().swap_outs == 0 and smart.last_report.keys == []
+    assert smart.stage_log == log and smart.replans == 0
 
 
 def test_hooks_are_removed_on_exit_and_by_reset():
