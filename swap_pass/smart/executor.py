@@ -41,6 +41,7 @@ from swap_pass.smart.profiler import (
     feature_key,
     now,
     op_name,
+    state_key,
 )
 
 __all__ = ["ExecMode", "OnlineMatcher", "SmartExecutor", "StepReport", "measure_copy_bandwidth"]
@@ -261,7 +262,7 @@ class SmartExecutor:
         storage = t.untyped_storage()
         is_state = storage.data_ptr() in self.state_ptrs
         op, fqn = op_name(t), self.fqn()
-        key = feature_key(op, fqn, t.dtype, t.shape, is_state)
+        key = feature_key(op, fqn, t.dtype, t.shape, state_key(t, storage, self.state_ptrs))
         index = len(self.report.keys)
         self.report.keys.append(key)
         if self.mode == ExecMode.PLANNED:

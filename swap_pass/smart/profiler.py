@@ -28,6 +28,7 @@ __all__ = [
     "StorageLife",
     "feature_key",
     "sequence_distance",
+    "state_key",
 ]
 
 
@@ -42,7 +43,13 @@ def op_name(tensor: torch.Tensor) -> str:
 
 def feature_key(op: str, fqn: str, dtype: torch.dtype, shape: tuple, is_state: bool) -> int:
     """The integer key of one saved tensor: what fuzzy matching and the signature compare."""
-    return hash((op, fqn, dtype, tuple(shape), is_state))
+    return hash((op, fqn, dtype, shape, is_state))  # torch.Size hashes like the tuple it is
+
+
+def state_key(tensor: torch.Tensor, storage: torch.UntypedStorage, state_ptrs: set[int]) -> bool:
+    """The model-state feature: a leaf over a parameter or buffer storage. (Views of parameters
+    carry a grad_fn and are told apart by it; skipping the storage lookup for them is cheap.)"""
+    return tensor.grad_fn is None and storage.data_ptr() in state_ptrs
 
 
 def sequence_distance(a: list[int], b: list[int]) -> float:
@@ -221,8 +228,10 @@ class LightweightProfiler:
         self._tracker.remove()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        is_state = t.untyped_storage().data_ptr() in self._state
-        self.keys.append(feature_key(op_name(t), self._tracker.fqn, t.dtype, t.shape, is_state))
+        fn = t.grad_fn  # feature_key and state_key, inlined: this is the hot path
+        is_state = fn is None and t.untyped_storage().data_ptr() in self._state
+        self.keys.append(hash(("leaf" if fn is None else type(fn).__name__, self._tracker._stack[-1],
+                               t.dtype, t.shape, is_state)))
         return t
 
     def step(self) -> int:

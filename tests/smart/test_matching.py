@@ -44,3 +44,22 @@ def test_sequence_distance_small_for_one_edit_large_for_a_new_sequence():
     assert sequence_distance(a, a) == 0.0
     assert sequence_distance(a, a[:100] + [-1] + a[100:]) < 0.01
     assert sequence_distance(a, [x + 1000 for x in a]) == 1.0
+
+
+def test_lightweight_profiler_and_smartswap_compute_the_same_keys():
+    import torch
+
+    from swap_pass import SmartSwap
+    from swap_pass.smart import LightweightProfiler
+
+    from .helpers import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 8))
+    with LightweightProfiler(model) as prof:
+        model(ids, ids).backward()
+    with SmartSwap(model, memory_budget=0) as smart:
+        model(ids, ids).backward()
+        smart.step()
+    assert len(prof.keys) > 50 and smart.last_report.keys == prof.keys
+    assert prof.step() == smart.last_report.signature
