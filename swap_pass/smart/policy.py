@@ -189,6 +189,8 @@ def candidate_list(profile: DetailedProfile, min_swap_bytes: int) -> list[int]:
 
 
 def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int, groups: int) -> set[int]:
+    """Cover the replayed peak until it fits: at the peak tick, take the largest candidates that
+    are off the device there until their bytes cover the excess, then replay again."""
     back = prefetch_ticks(profile, depth, groups)
     chosen: set[int] = set()
     while True:
@@ -199,8 +201,13 @@ def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int,
                     and profile.storages[c].released <= tick < back[c][0]]
         if not covering:
             return chosen
-        best = max(covering, key=lambda c: (profile.storages[c].nbytes, -profile.storages[c].released))
-        chosen.add(best)
+        covering.sort(key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
+        excess = peak - budget
+        for c in covering:
+            chosen.add(c)
+            excess -= profile.storages[c].nbytes
+            if excess <= 0:
+                break
 
 
 def _group_of_record(index: int, n: int, groups: int) -> int:
