@@ -23,7 +23,7 @@ from torch import nn
 from swap_pass.config import SwapConfig
 from swap_pass.runtime import register_reset_hook
 from swap_pass.smart.executor import ExecMode, SmartExecutor, StepReport, measure_copy_bandwidth
-from swap_pass.smart.policy import SwapPolicy, gen_policy
+from swap_pass.smart.policy import SwapPolicy, gen_policy, replay_peak
 from swap_pass.smart.profiler import (
     DetailedProfile,
     FeatureTracker,
@@ -233,7 +233,6 @@ class SmartSwap:
 
     def _budget_bytes(self, profile: DetailedProfile) -> int:
         if isinstance(self.memory_budget, float):
-            from swap_pass.smart.policy import replay_peak
             return int(self.memory_budget * replay_peak(profile, set(), 0, 1)[0])
         return int(self.memory_budget)
 
