@@ -44,9 +44,7 @@ def find_hidden_states(args: tuple, kwargs: dict, api: str) -> torch.Tensor:
 def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str) -> None:
     """Raise when ``hidden_states`` is on another device than the layer's parameters."""
     param = next(layer.parameters(), None)
-    if param is None or param.is_meta or hidden_states.is_meta:
-        return
-    if param.device != hidden_states.device:
+    if param is not None and param.device != hidden_states.device:
         raise ValueError(
             f"swap_pass.{api}: hidden_states is on {hidden_states.device} but "
             f"{type(layer).__name__}'s parameters are on {param.device}. The layer input must be "
