@@ -90,6 +90,7 @@ def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2):
         else:
             sched.step(target=labels, losses=losses)
         record["losses"] += [l.detach() for l in losses]
+        record.setdefault("outs_per_step", []).append(swap_pass.swap_stats().swap_outs)
         pending = sum(len(l.swap_manager.batch_stack) for m in mods for l in m.layers
                       if hasattr(l, "swap_manager"))
         record["clean"].append(pending == 0 and swap_pass.swap_stats().host_bytes_in_use == 0)
@@ -107,6 +108,7 @@ def _compare(ref: dict, got: dict) -> dict:
             torch.equal(ref["grads"][k], got["grads"][k]) for k in ref["grads"]),
         "swap_outs": got["swap_outs"], "ref_swap_outs": ref["swap_outs"],
         "clean": all(got["clean"]), "n_losses": len(got["losses"]),
+        "outs_per_step": got["outs_per_step"],
     }
 
 
