@@ -137,32 +137,36 @@ def abort_tag(module_tag: str) -> None:
 # --- one layer call -------------------------------------------------------------------------
 
 
-def _call_or_abort(manager: SwapLayerInputManager, call: Callable[..., Any], args: tuple,
-                   kwargs: dict) -> Any:
-    try:
-        return call(*args, **kwargs)
-    except BaseException:
-        abort_tag(manager.module_tag)
-        raise
+def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
+                        result: Any, api: str) -> None:
+    outputs = grad_outputs(result, api)
+    if not outputs and not hidden_states.requires_grad:
+        return  # inference: nothing is kept for a backward
+    group = None if manager.is_last_layer else manager.swap_out([hidden_states])
+    if outputs:
+        BackwardGuard(manager, group).attach(outputs)
+    free_previous(manager)
 
 
 def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict,
               api: str) -> Any:
-    """Run ``call(*args, **kwargs)`` (the layer's forward) under the SwapLayerInput protocol."""
+    """Run ``call(*args, **kwargs)`` (the layer's forward) under the SwapLayerInput protocol.
+
+    Any exception on the way (the layer itself, an in-place write caught at free time) brings
+    every group of the layer's tag back to the device before it propagates.
+    """
     manager: SwapLayerInputManager = layer.swap_manager
     hidden_states = find_hidden_states(args, kwargs, api)
     check_device(layer, hidden_states, api)
     if in_backward():  # recomputation inside backward: the input is already back
         return call(*args, **kwargs)
-    abandon_own_unguarded(manager)
-    if not torch.is_grad_enabled():
-        guard_previous_on_input(manager, hidden_states)
-    result = _call_or_abort(manager, call, args, kwargs)
-    outputs = grad_outputs(result, api)
-    if not outputs and not hidden_states.requires_grad:
-        return result  # inference: nothing is kept for a backward
-    group = None if manager.is_last_layer else manager.swap_out([hidden_states])
-    if outputs:
-        BackwardGuard(manager, group).attach(outputs)
-    free_previous(manager)
+    try:
+        abandon_own_unguarded(manager)
+        if not torch.is_grad_enabled():
+            guard_previous_on_input(manager, hidden_states)
+        result = call(*args, **kwargs)
+        _swap_after_forward(manager, hidden_states, result, api)
+    except BaseException:
+        abort_tag(manager.module_tag)
+        raise
     return result

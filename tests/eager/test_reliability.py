@@ -299,3 +299,32 @@ def test_mtp_layer_runs_unchanged_without_a_manager(mode):
     assert_exact(train_step(ref, batch()), train_step(model, batch()))
     assert swap_pass.swap_stats().swap_outs == CFG.num_layers - 1
     assert_clean()
+
+
+# --- in-place writes and construction order ---------------------------------------------------
+
+
+def test_in_place_write_to_a_swapped_input_is_caught_and_named():
+    torch.manual_seed(0)
+    model = CheckpointedModel(CFG, "none", SwapLlamaLayer)
+    cos, sin = model.cos_table[:8], model.sin_table[:8]
+    h0 = model.embed(batch()[0])
+    h1 = model.layers[0](h0, cos, sin)
+    with torch.no_grad():
+        h0.mul_(2)  # layer 0's input, written while its copy to the host is in flight
+    with pytest.raises(swap_pass.SwapDataError, match=r"tests\.eager\.layers\[0\].*modified in place"):
+        model.layers[1](h1, cos, sin)
+    assert_clean()  # every group was put back before the error propagated
+
+
+def test_subclass_setting_is_mtp_after_super_init_leaves_no_orphan():
+    class MTPLayer(SwapLlamaLayer):
+        @swap_pass.swap_layer_input_init_wrapper
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.is_mtp_layer = True
+
+    SwapLlamaLayer(CFG)
+    mtp = MTPLayer(CFG)
+    assert not hasattr(mtp, "swap_manager")
+    assert len(swap_pass.SwapLayerInputManager.managers("tests.eager")) == 1
