@@ -41,7 +41,7 @@ from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_out
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
-__all__ = ["BackwardGuard", "abort_tag", "run_layer", "is_guarded"]
+__all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
 
 _GUARDED_ATTR = "_swap_pass_guarded"
 
@@ -63,7 +63,7 @@ class BackwardGuard:
         self.fired = False
         if group is not None:
             setattr(group, _GUARDED_ATTR, True)
-            weakref.finalize(self, _discard_if_pending, manager, group)
+            weakref.finalize(self, discard_if_pending, manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.group is not None:
@@ -82,7 +82,7 @@ class BackwardGuard:
             t.register_hook(self)
 
 
-def _discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
+def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
     """Finalizer: the graph holding the guard is gone, so nobody will read ``group`` again."""
     if group.stat != SwapState.DEVICE or any(g is group for g in manager.batch_stack):
         manager.discard(group)

@@ -84,9 +84,11 @@ def swap_layer_input_init_wrapper(fn: Callable[..., None]) -> Callable[..., None
         try:
             fn(self, *args, **kwargs)
         finally:
-            object.__setattr__(self, _DEPTH, depth)
+            if depth:
+                object.__setattr__(self, _DEPTH, depth)
+            else:
+                del self.__dict__[_DEPTH]
         if depth == 0:
-            del self.__dict__[_DEPTH]
             _register_manager(self)
 
     return wrapper
@@ -163,7 +165,10 @@ def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: Swap
     items = result if isinstance(result, (tuple, list)) else (result,)
     for item in items:
         if hasattr(item, "layer") and hasattr(item, "layer_input"):
-            weakref.finalize(item, _protocol._discard_if_pending, manager, group)
+            try:
+                weakref.finalize(item, _protocol.discard_if_pending, manager, group)
+            except TypeError:  # a LayerGraph with __slots__ and no __weakref__: no tie
+                pass
             return
 
 
