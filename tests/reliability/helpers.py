@@ -16,6 +16,13 @@ def input_bytes(b: int, s: int, cfg: LlamaConfig = CFG) -> int:
     return b * s * cfg.hidden_size * 4
 
 
+def sgd(model: torch.nn.Module, lr: float = 0.1) -> None:
+    """A plain SGD update from the gradients in place (the same on both models of a pair)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
 def model_pair(recompute: bool, cfg: LlamaConfig = CFG, seed: int = 0):
     """A no-swap reference and a twin with the same weights (swap is enabled by the caller)."""
     torch.manual_seed(seed)

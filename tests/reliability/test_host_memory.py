@@ -10,14 +10,13 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import swap_pass
 from swap_pass import HostMemoryError, SwapConfig, enable_swap_layer_input
 from swap_pass.runtime import host_pool
 from swap_pass.runtime import swap_tensors as swap_tensors_module
 from tests.eager.helpers import assert_clean, assert_exact, batch, train_step
-from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair
+from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair, sgd
 
 BIG = input_bytes(2, 8)  # 2048: one layer input of the (2, 8) batch
 SPARE = 904  # cap headroom that fits no third input, so "available" is a distinctive number
@@ -30,24 +29,18 @@ def _capped(model, policy: str):
         model, config=SwapConfig(max_host_bytes=CAP, on_host_exhausted=policy))
 
 
-def _sgd(model) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-
-
 def _probed_step(ref, model, b) -> list[int]:
     """One SGD step of both models, bitwise compared; returns the swapped model's input bytes
     still resident on the device between its forward and its backward."""
     expected = train_step(ref, b)
-    _sgd(ref)
+    sgd(ref)
     model.zero_grad(set_to_none=True)
     with InputProbe(model) as probe:
         loss = model(*b)
     resident = probe.resident_bytes()
     loss.backward()
     got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    _sgd(model)
+    sgd(model)
     assert_exact(expected, got)
     return resident
 

@@ -12,16 +12,14 @@ import threading
 import time
 
 import pytest
-import torch
 from torch import nn
 
 import swap_pass
 from swap_pass.models import LlamaDecoderLayer
 from tests.eager.helpers import assert_clean, assert_exact, batch, train_step, twin
-from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair
+from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair, sgd
 
 STEPS = 8
-LR = 0.1
 
 
 def _decorated_layer(tag: str) -> type[nn.Module]:
@@ -56,9 +54,7 @@ def _swapped_twin(ref, recompute: bool, path: str, tag: str) -> nn.Module:
 
 def _sgd_step(model, b):
     result = train_step(model, b)
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= LR * p.grad
+    sgd(model)
     return result
 
 
@@ -89,9 +85,7 @@ class _Trainer(threading.Thread):
         self.resident.append(probe.resident_bytes())
         loss.backward()
         result = (loss.detach(), {n: p.grad.clone() for n, p in self.model.named_parameters()})
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p -= LR * p.grad
+        sgd(self.model)
         return result
 
 
