@@ -95,7 +95,7 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_step(model, opt, batch, after_forward=None):
-    """Forward, backward and optimizer step; ``after_forward()`` runs between forward and backward."""
+    """Forward, backward, optimizer step; ``after_forward()`` runs between forward and backward."""
     opt.zero_grad(set_to_none=True)
     loss = model(*batch)
     if after_forward is not None:
@@ -126,7 +126,8 @@ def check_exact(step: int, ref, got) -> None:
 def check_clean(step: int) -> None:
     """Nothing left behind by the step: no host byte in use, no pending group."""
     in_use = swap_pass.swap_stats().host_bytes_in_use
-    pending = sum(len(m.batch_stack) for ms in SwapLayerInputManager.manager_map.values() for m in ms)
+    managers = SwapLayerInputManager.manager_map.values()
+    pending = sum(len(m.batch_stack) for ms in managers for m in ms)
     if in_use or pending:
         raise SoakViolation(f"step {step}: {in_use} host bytes in use, {pending} groups pending "
                             "after the step (both must be 0)")

@@ -24,7 +24,8 @@ _ROOT = Path(__file__).resolve().parents[2]
 _WRITE_AFTER_FREE = textwrap.dedent("""
     import torch, swap_pass
     from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2, intermediate_size=48)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2,
+                      intermediate_size=48)
     model = LlamaStyleModel(cfg)
     swap_pass.enable_swap_layer_input(model)
     cos, sin = model.cos_table[:8], model.sin_table[:8]
