@@ -14,7 +14,6 @@ import pytest
 import swap_pass
 from swap_pass import HostMemoryError, SwapConfig, enable_swap_layer_input
 from swap_pass.runtime import host_pool
-from swap_pass.runtime import swap_tensors as swap_tensors_module
 from tests.eager.helpers import assert_clean, assert_exact, batch, train_step
 from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair, sgd
 
@@ -93,14 +92,9 @@ def test_failed_host_allocation_is_a_host_memory_error():
 # --- on_host_exhausted="keep_on_device" ------------------------------------------------------
 
 
-@pytest.fixture
-def rearmed_warning(monkeypatch):
-    """The warn-once flag is process-wide and not cleared by ``reset()``; start unwarned."""
-    monkeypatch.setattr(swap_tensors_module, "_warned_keep_on_device", False)
-
-
 @RECOMPUTE
-def test_keep_on_device_warns_once_keeps_overflow_and_is_exact(recompute, rearmed_warning):
+def test_keep_on_device_warns_once_keeps_overflow_and_is_exact(recompute):
+    # swap_pass.reset() (autouse fixture) re-arms the warn-once flag.
     ref, model = model_pair(recompute)
     _capped(model, "keep_on_device")
     steps = 4
