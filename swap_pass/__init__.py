@@ -27,6 +27,16 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
+# --- eager (issue 3) ---
+from swap_pass.eager import (  # noqa: E402
+    enable_swap_layer_input,
+    swap_layer_input_fboverlap_1f1b_wrapper,
+    swap_layer_input_fboverlap_backward_wrapper,
+    swap_layer_input_fboverlap_forward_wrapper,
+    swap_layer_input_forward_wrapper,
+    swap_layer_input_init_wrapper,
+)
+
 # --- adaptive (SmartSwap, issue 6) ---
 from swap_pass.smart import SmartSwap, SmartSwapConfig  # noqa: E402
 
@@ -43,6 +53,13 @@ __all__ = [
     "is_valid_for_swap",
     "reset",
     "swap_stats",
+    # --- eager (issue 3) ---
+    "enable_swap_layer_input",
+    "swap_layer_input_fboverlap_1f1b_wrapper",
+    "swap_layer_input_fboverlap_backward_wrapper",
+    "swap_layer_input_fboverlap_forward_wrapper",
+    "swap_layer_input_forward_wrapper",
+    "swap_layer_input_init_wrapper",
     # --- adaptive (SmartSwap) ---
     "SmartSwap",
     "SmartSwapConfig",

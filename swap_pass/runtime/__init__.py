@@ -10,7 +10,12 @@ from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateEr
 from swap_pass.runtime.host_pool import available_host_bytes, host_pool, preflight
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.stats import SwapStats
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.swap_tensors import (
+    SwapState,
+    SwapTensors,
+    is_valid_for_swap,
+    rearm_warnings,
+)
 
 __all__ = [
     "HostMemoryError",
@@ -57,4 +62,5 @@ def reset() -> None:
         fn()
     SwapLayerInputManager.reset_all()
     host_pool().clear()
+    rearm_warnings()
     _stats.clear(keep_gauges=True)

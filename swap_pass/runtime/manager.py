@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from swap_pass.config import SwapConfig
+from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["SwapLayerInputManager"]
@@ -60,6 +61,7 @@ class SwapLayerInputManager:
         self.config = config or SwapConfig(prefetch=prefetch)
         self.prefetch_enabled = prefetch and self.config.prefetch
         self.batch_stack: list[SwapTensors] = []
+        self._preflighted: set[int] = set()
         with self._map_lock:
             layers = self.manager_map.setdefault(module_tag, [])
             self.layer_idx = len(layers)
@@ -106,12 +108,33 @@ class SwapLayerInputManager:
     # --- forward side -------------------------------------------------------------------------
 
     def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None) -> SwapTensors:
-        """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy."""
+        """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
+
+        The first layer's first group of each size runs :meth:`preflight_for` first.
+        """
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
                             name=name or f"{self.module_tag}.layers[{self.layer_idx}]")
+        if self.layer_idx == 0:
+            self.preflight_for(group.nbytes)
         self.batch_stack.append(group)
         group.swap_to_host()
         return group
+
+    def preflight_for(self, group_nbytes: int) -> None:
+        """Before the first step of a shape: check the host can hold every layer's group at once.
+
+        Every layer but the last holds a group of about ``group_nbytes`` on the host at the end
+        of forward, so ``group_nbytes * (num_layers - 1)`` must fit in available host memory.
+        Checked once per size; only under ``on_host_exhausted="error"`` (the cap itself is
+        enforced by the pool when buffers are taken).
+
+        Raises:
+            HostMemoryError: naming the bytes needed and the bytes available.
+        """
+        if group_nbytes in self._preflighted or self.config.on_host_exhausted != "error":
+            return
+        preflight(group_nbytes * max(self.num_layers - 1, 1))
+        self._preflighted.add(group_nbytes)
 
     def free_swapped_out(self) -> None:
         """Wait for every started device-to-host copy of this layer and free its device storage."""

@@ -339,6 +339,12 @@ class SwapTensors:
                     )
 
 
+def rearm_warnings() -> None:
+    """Let the next host-exhaustion warning show again (called by :func:`swap_pass.reset`)."""
+    global _warned_keep_on_device
+    _warned_keep_on_device = False
+
+
 def _warn_keep_on_device(name: str | None) -> None:
     global _warned_keep_on_device
     if not _warned_keep_on_device:

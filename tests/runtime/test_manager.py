@@ -88,3 +88,28 @@ def test_empty_group_is_harmless(device) -> None:
     assert manager.wait_swap_in() is group
     with pytest.raises(swap_pass.SwapStateError):
         group.wait_d2h()
+
+
+def test_first_layer_preflights_host_memory(monkeypatch) -> None:
+    import importlib
+
+    host_pool_module = importlib.import_module("swap_pass.runtime.host_pool")
+
+    managers = [SwapLayerInputManager() for _ in range(4)]
+    monkeypatch.setattr(host_pool_module, "available_host_bytes", lambda: 1000)
+    x = torch.randn(100)  # 400 bytes; 3 layers hold one each on the host: 1200 > 1000
+    with pytest.raises(swap_pass.HostMemoryError, match="1200 bytes needed, 1000 bytes available"):
+        managers[0].swap_out([x])
+    assert x.untyped_storage().nbytes() == 400
+    managers[0].swap_out([torch.randn(50)])  # 600 bytes fit
+    keep = SwapLayerInputManager("other", config=swap_pass.SwapConfig(
+        on_host_exhausted="keep_on_device"))
+    keep.swap_out([torch.randn(1000)])  # no preflight under keep_on_device
+
+
+def test_reset_rearms_the_keep_on_device_warning() -> None:
+    cfg = swap_pass.SwapConfig(max_host_bytes=0, on_host_exhausted="keep_on_device")
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="keep_on_device"):
+            swap_pass.SwapTensors([torch.randn(4)], config=cfg).swap_to_host()
+        swap_pass.reset()

@@ -1,0 +1,172 @@
+"""The SwapLayerInput protocol for one layer call, shared by the decorators and ``enable``.
+
+Graph pattern (layer ``i`` of ``L``, one micro-batch)::
+
+    forward:  x_i -> layer_i -> out_i
+                     after it ran: group_i = swap_out(x_i)         (not for the last layer)
+                                   free(groups of layer i-1 in "d2h" that are guarded)
+    backward: grad(out_i) -> [guard_i: restore(group_i); prefetch(layer i-1)] -> layer_i backward
+
+Note: [Guard before the first reader]
+    The guard is a gradient hook on the layer's outputs. A tensor hook on a non-leaf runs as a
+    pre-hook of its ``grad_fn``, and every backward node of the layer (and the recomputation of
+    a checkpointed layer, which is triggered by those nodes or *is* that ``grad_fn``) runs after
+    it. So the host-to-device copy is waited for before anything reads ``x_i``. MindSpeed waits
+    in a hook on the *recomputed* output, after the recompute already read the input: a race.
+
+Note: [No-grad first forward]
+    Under reentrant checkpointing (and Megatron's ``CheckpointFunction``) the layer runs under
+    ``no_grad``: its outputs carry no graph to hook. Its input ``x_i`` still requires grad. Its
+    group is guarded by the *next* layer call, whose input is this layer's checkpoint output:
+    a hook on it runs before this layer's ``CheckpointFunctionBackward`` (the recompute). A
+    group that no call could guard is never freed; it is abandoned (data stays on device).
+
+Note: [Group lifetime]
+    Each guard holds its group in its closure (pairing each backward with its own forward under
+    gradient accumulation, partial backward and pipeline schedules); ``batch_stack`` stays the
+    FIFO the prefetch walks. A ``weakref.finalize`` on the guard, which lives in the autograd
+    graph, discards the group when the graph is freed without a backward (eval with grad,
+    dropped loss), so no entry or host byte outlives its graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs, in_backward
+from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
+
+__all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
+
+_GUARDED_ATTR = "_swap_pass_guarded"
+
+
+# --- guards ---------------------------------------------------------------------------------
+
+
+class BackwardGuard:
+    """Gradient hook that makes one group readable and prefetches the previous layer.
+
+    Args:
+        manager: The manager that owns ``group``.
+        group: The layer input group to restore, or None (the last layer: prefetch only).
+    """
+
+    def __init__(self, manager: SwapLayerInputManager, group: SwapTensors | None) -> None:
+        self.manager = manager
+        self.group = group
+        self.fired = False
+        if group is not None:
+            setattr(group, _GUARDED_ATTR, True)
+            weakref.finalize(self, discard_if_pending, manager, group)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.group is not None:
+            self.manager.wait_swap_in(self.group)
+            self.group.assert_on_device("BackwardGuard")
+        if not self.fired:
+            self.fired = True
+            prev = self.manager.previous
+            if prev is not None and prev.prefetch_enabled:
+                prev.prefetch()
+        return None
+
+    def attach(self, tensors: list[torch.Tensor]) -> None:
+        """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
+        for t in tensors:
+            t.register_hook(self)
+
+
+def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
+    """Finalizer: the graph holding the guard is gone, so nobody will read ``group`` again."""
+    if group.stat != SwapState.DEVICE or any(g is group for g in manager.batch_stack):
+        manager.discard(group)
+
+
+def is_guarded(group: SwapTensors) -> bool:
+    """Whether a backward guard protects ``group`` (only guarded groups may be freed)."""
+    return getattr(group, _GUARDED_ATTR, False)
+
+
+# --- forward-side steps ---------------------------------------------------------------------
+
+
+def free_previous(manager: SwapLayerInputManager) -> None:
+    """Free the previous layer's inputs whose D2H is running; abandon the unguarded ones."""
+    prev = manager.previous
+    if prev is None:
+        return
+    for group in list(prev.batch_stack):
+        if group.stat != SwapState.D2H:
+            continue
+        if is_guarded(group):
+            group.wait_d2h()
+        else:
+            prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
+
+
+def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> None:
+    """No-grad forward: guard the previous layer's newest unguarded group on our input."""
+    prev = manager.previous
+    if prev is None or not hidden_states.requires_grad or hidden_states.grad_fn is None:
+        return
+    pending = [g for g in prev.batch_stack if g.stat == SwapState.D2H and not is_guarded(g)]
+    if pending:
+        BackwardGuard(prev, pending[-1]).attach([hidden_states])
+
+
+def abandon_own_unguarded(manager: SwapLayerInputManager) -> None:
+    """Restore this layer's groups that were never guarded (their next layer never ran)."""
+    for group in list(manager.batch_stack):
+        if not is_guarded(group):
+            manager.wait_swap_in(group)
+
+
+def abort_tag(module_tag: str) -> None:
+    """After an exception: bring every group of the tag back to the device and forget it."""
+    for manager in SwapLayerInputManager.managers(module_tag):
+        while manager.batch_stack:
+            manager.wait_swap_in(manager.batch_stack[0])
+
+
+# --- one layer call -------------------------------------------------------------------------
+
+
+def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
+                        result: Any, api: str) -> None:
+    outputs = grad_outputs(result, api)
+    if not outputs and not hidden_states.requires_grad:
+        return  # inference: nothing is kept for a backward
+    group = None if manager.is_last_layer else manager.swap_out([hidden_states])
+    if outputs:
+        BackwardGuard(manager, group).attach(outputs)
+    free_previous(manager)
+
+
+def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict,
+              api: str) -> Any:
+    """Run ``call(*args, **kwargs)`` (the layer's forward) under the SwapLayerInput protocol.
+
+    Any exception on the way (the layer itself, an in-place write caught at free time) brings
+    every group of the layer's tag back to the device before it propagates.
+    """
+    manager: SwapLayerInputManager = layer.swap_manager
+    hidden_states = find_hidden_states(args, kwargs, api)
+    check_device(layer, hidden_states, api)
+    if in_backward():  # recomputation inside backward: the input is already back
+        return call(*args, **kwargs)
+    try:
+        abandon_own_unguarded(manager)
+        if not torch.is_grad_enabled():
+            guard_previous_on_input(manager, hidden_states)
+        result = call(*args, **kwargs)
+        _swap_after_forward(manager, hidden_states, result, api)
+    except BaseException:
+        abort_tag(manager.module_tag)
+        raise
+    return result

@@ -1,0 +1,150 @@
+"""``enable_swap_layer_input(model)``: the SwapLayerInput protocol without editing model code.
+
+It finds the repeated Transformer blocks (an ``nn.ModuleList`` of same-class modules: HF
+``model.layers``, GPT-2 ``transformer.h``, torchtitan ``layers``, ``nn.TransformerEncoder.layers``),
+gives each block a manager under a tag of its own and shadows the block's ``forward`` with an
+instance attribute. ``handle.remove()`` deletes exactly what was added.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from swap_pass.config import SwapConfig
+from swap_pass.eager import _protocol
+from swap_pass.runtime.manager import SwapLayerInputManager
+
+__all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks"]
+
+_API = "enable_swap_layer_input"
+_HANDLE_ATTR = "_swap_pass_handle"
+_MISSING = object()
+
+
+def find_layer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The longest ``nn.ModuleList`` in ``model`` whose children (two or more) share one class.
+
+    Raises:
+        ValueError: No such list exists.
+    """
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) == 1 and (best is None or len(module) > len(best)):
+            best = module
+    if best is None:
+        raise ValueError(
+            f"swap_pass.{_API}: found no nn.ModuleList of two or more same-class blocks in "
+            f"{type(model).__name__}. Pass the Transformer blocks explicitly with layers=[...]."
+        )
+    return best
+
+
+class SwapLayerInputHandle:
+    """What :func:`enable_swap_layer_input` changed; ``remove()`` undoes it exactly.
+
+    Attributes:
+        model: The model swap was enabled on.
+        layers: The patched blocks, in call order.
+        managers: One :class:`SwapLayerInputManager` per block, same order.
+        module_tag: The tag the managers are registered under.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], config: SwapConfig) -> None:
+        self.model = model
+        self.layers = layers
+        self.module_tag = f"{_API}:{type(model).__name__}@{id(model):x}"
+        self.managers: list[SwapLayerInputManager] = []
+        self._saved_forward: list[Any] = []
+        for layer in layers:
+            self._patch(layer, config)
+        object.__setattr__(model, _HANDLE_ATTR, self)
+
+    def _patch(self, layer: nn.Module, config: SwapConfig) -> None:
+        manager = SwapLayerInputManager(module_tag=self.module_tag, config=config)
+        original = layer.forward
+        self._saved_forward.append(layer.__dict__.get("forward", _MISSING))
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return _protocol.run_layer(layer, original, args, kwargs, _API)
+
+        object.__setattr__(layer, "swap_manager", manager)
+        object.__setattr__(layer, "forward", forward)
+        self.managers.append(manager)
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` ran."""
+        return self.model.__dict__.get(_HANDLE_ATTR) is self
+
+    def remove(self) -> None:
+        """Restore every block's ``forward``, drop the managers and their pending groups."""
+        if not self.active:
+            return
+        for layer, saved in zip(self.layers, self._saved_forward):
+            del layer.__dict__["forward"]
+            if saved is not _MISSING:
+                layer.__dict__["forward"] = saved
+            del layer.__dict__["swap_manager"]
+        for manager in self.managers:
+            manager.unregister()
+        del self.model.__dict__[_HANDLE_ATTR]
+
+    def __enter__(self) -> SwapLayerInputHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"SwapLayerInputHandle(model={type(self.model).__name__}, "
+                f"layers={len(self.layers)}, active={self.active})")
+
+
+def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:
+    if model.__dict__.get(_HANDLE_ATTR) is not None:
+        raise RuntimeError(
+            f"swap_pass.{_API}: swap is already enabled on this {type(model).__name__}. "
+            "Call handle.remove() before enabling it again."
+        )
+    found = list(find_layer_blocks(model) if layers is None else layers)
+    for idx, layer in enumerate(found):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"swap_pass.{_API}: layers[{idx}] is a {type(layer).__name__}. "
+                            "Every layer must be an nn.Module.")
+        if hasattr(layer, "swap_manager"):
+            raise RuntimeError(
+                f"swap_pass.{_API}: layers[{idx}] ({type(layer).__name__}) already has a swap "
+                "manager (decorated class or another enable). A layer may be swapped by one only."
+            )
+    if not found:
+        raise ValueError(f"swap_pass.{_API}: layers is empty. Pass at least one block.")
+    return found
+
+
+def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | None = None,
+                            config: SwapConfig | None = None) -> SwapLayerInputHandle:
+    """Swap each Transformer block's input to host memory between forward and backward.
+
+    Args:
+        model: The model. Its source is not edited; blocks get an instance-level ``forward``.
+        layers: The blocks, in the order they run. Default: ``None``, found with
+            :func:`find_layer_blocks`.
+        config: Runtime knobs for the blocks' managers. Default: ``SwapConfig()``.
+
+    Returns:
+        A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.
+
+    Raises:
+        RuntimeError: Swap is already enabled on ``model`` or on one of the blocks.
+        ValueError: No repeated blocks were found, or ``layers`` is empty.
+    """
+    found = _check_layers(model, layers)
+    return SwapLayerInputHandle(model, found, config or SwapConfig())

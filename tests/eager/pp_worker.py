@@ -1,0 +1,139 @@
+"""One rank of the pipeline-parallel test: real ``torch.distributed.pipelining`` on gloo (CPU).
+
+Each rank trains the same 8-layer tiny Llama split into stages, once without swap and once with
+the seed's decorated layers, under Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B, and
+writes what the test asserts on (exact equality, swaps done, nothing pending) to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+NUM_LAYERS, MICROBATCHES, BATCH, SEQ = 8, 4, 8, 8
+
+
+def _cfg():
+    from swap_pass.models import LlamaConfig
+    return LlamaConfig(vocab_size=64, hidden_size=32, num_layers=NUM_LAYERS, num_heads=2,
+                       intermediate_size=48, max_seq_len=SEQ)
+
+
+class Stage(nn.Module):
+    """Layers ``[lo, hi)`` of the model; the first stage embeds, the last one projects."""
+
+    def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool) -> None:
+        super().__init__()
+        from swap_pass.models import LlamaStyleModel
+        torch.manual_seed(0)
+        full = LlamaStyleModel(cfg)  # same weights on every rank and run
+        self.first, self.last, self.recompute = lo == 0, hi == cfg.num_layers, recompute
+        self.embed = full.embed if self.first else None
+        self.layers = nn.ModuleList()
+        for idx in range(lo, hi):
+            layer = layer_cls(cfg)
+            layer.load_state_dict(full.layers[idx].state_dict())
+            self.layers.append(layer)
+        self.norm, self.lm_head = (full.norm, full.lm_head) if self.last else (None, None)
+        self.register_buffer("cos", full.cos_table, persistent=False)
+        self.register_buffer("sin", full.sin_table, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        for layer in self.layers:
+            if self.recompute:
+                h = checkpoint(layer, h, self.cos, self.sin, use_reentrant=False)
+            else:
+                h = layer(h, self.cos, self.sin)
+        return self.lm_head(self.norm(h)).float() if self.last else h
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _build(schedule: str, rank: int, layer_cls, recompute: bool):
+    from torch.distributed import pipelining as pp
+    cfg = _cfg()
+    n_stages = 4 if schedule == "interleaved" else 2
+    per = NUM_LAYERS // n_stages
+    ids = [rank + 2 * k for k in range(n_stages // 2)]  # interleaved: rank 0 holds 0 and 2
+    mods = [Stage(cfg, i * per, (i + 1) * per, layer_cls, recompute) for i in ids]
+    stages = [pp.PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(mods, ids)]
+    if schedule == "interleaved":
+        sched = pp.ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
+    else:
+        cls = pp.Schedule1F1B if schedule == "1f1b" else pp.ScheduleGPipe
+        sched = cls(stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
+    return mods, sched
+
+
+def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2):
+    from swap_pass.models import make_batch
+    import swap_pass
+    mods, sched = _build(schedule, rank, layer_cls, recompute)
+    record = {"losses": [], "clean": []}
+    for step in range(steps):
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        ids, labels = make_batch(_cfg(), BATCH, SEQ, seed=step)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(ids, target=labels, losses=losses)
+        else:
+            sched.step(target=labels, losses=losses)
+        record["losses"] += [l.detach() for l in losses]
+        record.setdefault("outs_per_step", []).append(swap_pass.swap_stats().swap_outs)
+        pending = sum(len(l.swap_manager.batch_stack) for m in mods for l in m.layers
+                      if hasattr(l, "swap_manager"))
+        record["clean"].append(pending == 0 and swap_pass.swap_stats().host_bytes_in_use == 0)
+    record["grads"] = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
+                       for n, p in m.named_parameters()}
+    record["swap_outs"] = swap_pass.swap_stats().swap_outs
+    return record
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    return {
+        "losses_equal": len(ref["losses"]) == len(got["losses"]) and all(
+            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
+        "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(
+            torch.equal(ref["grads"][k], got["grads"][k]) for k in ref["grads"]),
+        "swap_outs": got["swap_outs"], "ref_swap_outs": ref["swap_outs"],
+        "clean": all(got["clean"]), "n_losses": len(got["losses"]),
+        "outs_per_step": got["outs_per_step"],
+    }
+
+
+def run(rank: int, world: int, port: int, outdir: str) -> None:
+    """Entry point for ``torch.multiprocessing.spawn``."""
+    import swap_pass
+    from swap_pass.models import LlamaDecoderLayer
+    from tests.eager.helpers import SwapLlamaLayer
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for schedule, recompute in [("1f1b", False), ("1f1b", True), ("gpipe", False),
+                                    ("interleaved", False), ("interleaved", True)]:
+            swap_pass.reset()
+            ref = _step(schedule, rank, LlamaDecoderLayer, recompute)
+            swap_pass.reset()
+            got = _step(schedule, rank, SwapLlamaLayer, recompute)
+            results[f"{schedule}-{'recompute' if recompute else 'plain'}"] = _compare(ref, got)
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # manual run: python -m tests.eager.pp_worker OUTDIR PORT
+    import torch.multiprocessing as mp
+    mp.spawn(run, args=(2, int(sys.argv[2]), sys.argv[1]), nprocs=2)
