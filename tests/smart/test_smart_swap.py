@@ -30,8 +30,9 @@ def _no_hooks():
 class Pair:
     """A model under SmartSwap and its unswapped twin, stepped together and compared exactly."""
 
-    def __init__(self, device="cpu", **cfg) -> None:
+    def __init__(self, device="cpu", recompute=False, **cfg) -> None:
         self.model = tiny_model(**cfg).to(device)
+        self.model.recompute = recompute
         self.ref = copy.deepcopy(self.model)
         self.device = device
 
@@ -165,3 +166,22 @@ def test_a_scrambled_plan_costs_memory_never_data():
             smart.policy = dataclasses.replace(policy, entries=entries, prefetch=prefetch)
             pair.step(smart, seed=s)  # the next step runs the scrambled plan
         assert smart.last_report.swapped_storages > 0 and smart.replans == 0
+
+
+def test_with_full_recompute_the_checkpointed_inputs_are_swapped_exactly():
+    pair = Pair(recompute=True)
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for s in range(4):
+            pair.step(smart, seed=s)
+        assert smart.stage == Stage.STABLE and smart.last_report.swapped_storages > 0
+
+
+def test_host_cap_applies_and_keep_on_device_stays_exact():
+    pair = Pair()
+    swap = SwapConfig(max_host_bytes=64 * 1024, on_host_exhausted="keep_on_device")
+    with pytest.warns(RuntimeWarning, match="host memory exhausted"):
+        with SmartSwap(pair.model, memory_budget=0.25, config=swap) as smart:
+            for s in range(3):
+                pair.step(smart, seed=s)
+    stats = swap_pass.swap_stats()
+    assert stats.kept_on_device > 0 and stats.peak_host_bytes_in_use <= 64 * 1024
