@@ -1,0 +1,224 @@
+"""``torch.ops.swap_pass.*``: the swap ops that graphs hold, on the shared runtime.
+
+Forward graph (one saved layer input ``x``)::
+
+    host = swap_pass.swap_out(x)           # start D2H into a pooled host buffer (d2h stream)
+    ...                                    # the layer that reads x runs meanwhile
+    host = swap_pass.wait(host, x)         # compute stream waits for the D2H; x may now die
+
+Backward graph::
+
+    dev = swap_pass.prefetch(host, device, size, stride)   # one layer ahead: start H2D (h2d stream)
+    ...                                                    # the layer after it runs backward
+    dev = swap_pass.wait(dev, host)        # before the first reader: wait, release host buffer
+
+``swap_in`` is ``prefetch`` and ``wait`` in one, for graphs built without prefetch.
+
+The ops are functional (``swap_out`` and ``prefetch`` return new tensors), so Dynamo, ``make_fx``,
+``torch.export``, AOTAutograd and Inductor can trace, move and compile them; ``wait`` returns its
+input (an aliasing schema) and is marked side-effectful so dead-code elimination keeps it. The
+``keepalive`` argument of ``wait`` is the source of the transfer: it keeps that tensor alive in
+the graph until the copy is complete, instead of ``record_stream`` (see DESIGN.md section 4).
+Freeing is the graph's job: once ``wait`` ran, the graph drops the source and the allocator
+reuses it on the compute stream, which is already ordered after the copy.
+
+Everything goes through :mod:`swap_pass.runtime`: streams from ``device_streams``, host buffers
+from ``host_pool`` (so ``SwapConfig.max_host_bytes`` applies), counters in ``swap_stats``, and
+:func:`swap_pass.reset` drops pending transfers. On CPU the copies are synchronous and every
+event is a no-op, so the same code runs (and is tested) without an accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import torch
+from torch.fx.node import has_side_effect
+
+from swap_pass.runtime import register_reset_hook, stats
+from swap_pass.runtime.device import device_streams
+from swap_pass.runtime.host_pool import host_pool
+
+__all__ = ["prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
+
+
+# --- pending transfers ------------------------------------------------------------------------
+# Note: [Keys of pending transfers]
+# A transfer is keyed by the data_ptr of the tensor it produces (the host tensor of swap_out,
+# the device tensor of prefetch), so that ``wait`` needs only that tensor, as in PyTorch's
+# ``ao.wait_tensor``. The host buffer of a swap_out is keyed by the host tensor's data_ptr until
+# the H2D that consumes it completes; a host tensor that dies first (forward without backward)
+# gives its buffer back through a weakref finalizer.
+
+
+@dataclasses.dataclass
+class _Transfer:
+    """A started copy: its completion event, and the host buffer to release once waited for."""
+
+    event: object
+    device: torch.device
+    use_streams: bool
+    release: torch.Tensor | None = None
+
+
+_lock = threading.Lock()
+_transfers: dict[int, _Transfer] = {}
+_host_buffers: dict[int, torch.Tensor] = {}
+
+
+def pending_transfers() -> int:
+    """Number of started copies not yet waited for, plus host buffers not yet swapped back."""
+    with _lock:
+        return len(_transfers) + len(_host_buffers)
+
+
+def _release_host_buffer(key: int) -> None:
+    with _lock:
+        buf = _host_buffers.pop(key, None)
+    if buf is not None:
+        host_pool().release(buf)
+
+
+@register_reset_hook
+def _reset_pending() -> None:
+    with _lock:
+        buffers = list(_host_buffers.values())
+        _host_buffers.clear()
+        _transfers.clear()
+    for buf in buffers:
+        host_pool().release(buf)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --- swap_out ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("swap_pass::swap_out", mutates_args=())
+def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
+    """Start copying ``x`` to a pooled host buffer on the device-to-host stream.
+
+    Args:
+        x: The activation to move (any strides; the host copy is contiguous).
+        max_host_bytes: ``SwapConfig.max_host_bytes``; ``-1`` for no cap. Default: ``-1``.
+        use_streams: Copy on a side stream (accelerators only). Default: ``True``.
+
+    Returns:
+        A contiguous CPU tensor with ``x``'s values once ``wait`` has run on it.
+    """
+    ds = device_streams(x.device, use_streams)
+    buf = host_pool().acquire(_nbytes(x), pin=ds.is_async,
+                              max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
+    host = buf.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
+    ready = ds.record_event(ds.compute_stream())
+    stream = ds.d2h_stream()
+    ds.wait(stream, ready)
+    with ds.use(stream):
+        host.copy_(x, non_blocking=ds.is_async)
+    key = host.data_ptr()
+    with _lock:
+        _transfers[key] = _Transfer(ds.record_event(stream), x.device, use_streams)
+        _host_buffers[key] = buf
+    weakref.finalize(host, _release_host_buffer, key)
+    stats.record(swap_outs=1, swapped_out_bytes=_nbytes(x))
+    return host
+
+
+@swap_out.register_fake
+def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+# --- prefetch and swap_in ---------------------------------------------------------------------
+
+
+def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+               use_streams: bool) -> torch.Tensor:
+    ds = device_streams(device, use_streams)
+    out = torch.empty_strided(size, stride, dtype=host.dtype, device=device)  # compute stream
+    ready = ds.record_event(ds.compute_stream())
+    stream = ds.h2d_stream()
+    ds.wait(stream, ready)
+    with ds.use(stream):
+        out.copy_(host, non_blocking=ds.is_async)
+    with _lock:
+        buf = _host_buffers.pop(host.data_ptr(), None)
+        _transfers[out.data_ptr()] = _Transfer(ds.record_event(stream), out.device, use_streams, buf)
+    stats.record(swap_ins=1, swapped_in_bytes=_nbytes(host))
+    return out
+
+
+@torch.library.custom_op("swap_pass::prefetch", mutates_args=())
+def prefetch(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+             use_streams: bool = True) -> torch.Tensor:
+    """Start copying ``host`` back to ``device`` on the host-to-device stream.
+
+    The destination is allocated on the compute stream with the original ``size`` and
+    ``stride``. Pair with ``wait(out, keepalive=host)`` before the first reader.
+    """
+    return _start_h2d(host, device, size, stride, use_streams)
+
+
+@prefetch.register_fake
+def _(host, device, size, stride, use_streams=True):
+    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+
+
+@torch.library.custom_op("swap_pass::swap_in", mutates_args=())
+def swap_in(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+            use_streams: bool = True) -> torch.Tensor:
+    """Copy ``host`` back to ``device`` and wait for it: ``prefetch`` and ``wait`` in one."""
+    out = _start_h2d(host, device, size, stride, use_streams)
+    _wait_for(out)
+    return out
+
+
+@swap_in.register_fake
+def _(host, device, size, stride, use_streams=True):
+    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+
+
+# --- wait -------------------------------------------------------------------------------------
+
+_lib = torch.library.Library("swap_pass", "FRAGMENT")
+_lib.define("wait(Tensor(a) t, Tensor? keepalive=None) -> Tensor(a)")
+
+
+def _wait_for(t: torch.Tensor) -> None:
+    """Order the compute stream after the copy that produced ``t``; release its host buffer."""
+    with _lock:
+        transfer = _transfers.pop(t.data_ptr(), None)
+    if transfer is None:  # already waited for (or a synchronous CPU copy waited by swap_in)
+        return
+    ds = device_streams(transfer.device, transfer.use_streams)
+    ds.wait(ds.compute_stream(), transfer.event)
+    if transfer.release is not None:
+        host_pool().release(transfer.release)
+
+
+@torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
+def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    _wait_for(t)
+    return t
+
+
+@torch.library.register_fake("swap_pass::wait")
+def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    return t
+
+
+has_side_effect(torch.ops.swap_pass.wait.default)
+
+
+def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    """Complete the copy that produced ``t`` (from ``swap_out`` or ``prefetch``) and return ``t``.
+
+    Args:
+        t: The output of ``swap_out`` or ``prefetch``.
+        keepalive: The copy's source, kept alive in the graph up to this point. Default: ``None``.
+    """
+    return torch.ops.swap_pass.wait.default(t, keepalive)
