@@ -152,8 +152,8 @@ def _layer_of(gm: fx.GraphModule, node: fx.Node, layers: set[str]) -> str | None
 
 
 def _shape_key(node: fx.Node) -> str | None:
-    val = node.meta.get("val", node.meta.get("example_value"))
-    if isinstance(val, torch.Tensor):
+    val = node.meta.get("val", node.meta.get("example_value", node.meta.get("tensor_meta")))
+    if isinstance(val, torch.Tensor) or type(val).__name__ == "TensorMetadata":
         return f"{tuple(val.shape)}:{val.dtype}"
     return None
 
