@@ -136,10 +136,18 @@ def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> to
 # --- prefetch and swap_in ---------------------------------------------------------------------
 
 
+def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[int],
+                         stride: list[int]) -> torch.Tensor:
+    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` when empty."""
+    if not size and host.dim():
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+
+
 def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
                use_streams: bool) -> torch.Tensor:
     ds = device_streams(device, use_streams)
-    out = torch.empty_strided(size, stride, dtype=host.dtype, device=device)  # compute stream
+    out = _empty_like_original(host, device, size, stride)  # on the compute stream
     ready = ds.record_event(ds.compute_stream())
     stream = ds.h2d_stream()
     ds.wait(stream, ready)
@@ -158,14 +166,15 @@ def prefetch(host: torch.Tensor, device: torch.device, size: list[int], stride: 
     """Start copying ``host`` back to ``device`` on the host-to-device stream.
 
     The destination is allocated on the compute stream with the original ``size`` and
-    ``stride``. Pair with ``wait(out, keepalive=host)`` before the first reader.
+    ``stride`` (both empty: contiguous with ``host``'s shape, which keeps symbolic sizes out of
+    the op's arguments). Pair with ``wait(out, keepalive=host)`` before the first reader.
     """
     return _start_h2d(host, device, size, stride, use_streams)
 
 
 @prefetch.register_fake
 def _(host, device, size, stride, use_streams=True):
-    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+    return _empty_like_original(host, device, size, stride)
 
 
 @torch.library.custom_op("swap_pass::swap_in", mutates_args=())
@@ -179,7 +188,7 @@ def swap_in(host: torch.Tensor, device: torch.device, size: list[int], stride: l
 
 @swap_in.register_fake
 def _(host, device, size, stride, use_streams=True):
-    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+    return _empty_like_original(host, device, size, stride)
 
 
 # --- wait -------------------------------------------------------------------------------------
