@@ -113,6 +113,12 @@ class HostBufferPool:
             self._in_use_bytes -= nbytes
         stats.record(host_bytes_in_use=-nbytes)
 
+    def forget(self, nbytes: int) -> None:
+        """Stop counting a buffer that was handed out and then freed by its last user, not released."""
+        with self._lock:
+            self._in_use_bytes -= nbytes
+        stats.record(host_bytes_in_use=-nbytes, host_bytes_reserved=-nbytes)
+
     def clear(self) -> None:
         """Drop every cached buffer (buffers in use are not touched)."""
         self.drain_deferred()
