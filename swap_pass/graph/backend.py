@@ -76,6 +76,23 @@ def _partitioner_uuid(layer_filter: LayerFilter, config: SwapConfig) -> str:
     return f"{get_hash_for_files(files).hex()}:{layer_filter!r}:{config!r}"
 
 
+def _make_partitioner(partition: Callable, uuid: str):
+    """An Inductor ``CustomPartitionerFn`` running ``partition``; it pickles as its uuid (cache keys)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class SwapPartitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return uuid
+
+        def __reduce__(self):
+            return (str, (uuid,))
+
+    return SwapPartitioner()
+
+
 @contextlib.contextmanager
 def _inductor_partitioner(partition: Callable, uuid: str):
     """Make Inductor's own pipeline (joint passes included) partition with ``partition``."""
@@ -83,16 +100,7 @@ def _inductor_partitioner(partition: Callable, uuid: str):
     from torch._inductor import config as inductor_config
 
     if hasattr(inductor_config, "custom_partitioner_fn"):
-        from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-        class _SwapPartitioner(CustomPartitionerFn):
-            def __call__(self, gm, joint_inputs, **kwargs):
-                return partition(gm, joint_inputs, **kwargs)
-
-            def uuid(self) -> Any:
-                return uuid
-
-        with inductor_config.patch(custom_partitioner_fn=_SwapPartitioner()):
+        with inductor_config.patch(custom_partitioner_fn=_make_partitioner(partition, uuid)):
             yield
         return
     # older torch: Inductor calls the module-level min-cut partitioner by name

@@ -48,9 +48,11 @@ __all__ = ["prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
 # Note: [Keys of pending transfers]
 # A transfer is keyed by the data_ptr of the tensor it produces (the host tensor of swap_out,
 # the device tensor of prefetch), so that ``wait`` needs only that tensor, as in PyTorch's
-# ``ao.wait_tensor``. The host buffer of a swap_out is keyed by the host tensor's data_ptr until
-# the H2D that consumes it completes; a host tensor that dies first (forward without backward)
-# gives its buffer back through a weakref finalizer.
+# ``ao.wait_tensor``. A swap_out's host buffer counts as in use (``_host_bytes``) until the H2D
+# that consumes it completes; the registry holds no reference to it, so a host copy nobody will
+# read (forward without backward) dies with its last tensor, and a finalizer on its storage
+# stops counting it (``HostBufferPool.forget``). One finalizer per storage: pooled buffers are
+# reused every step, and finalizers must not pile up on them.
 
 
 @dataclasses.dataclass
@@ -63,31 +65,67 @@ class _Transfer:
     release: torch.Tensor | None = None
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # finalizers may run during GC inside a locked section
 _transfers: dict[int, _Transfer] = {}
-_host_buffers: dict[int, torch.Tensor] = {}
+_host_bytes: dict[int, int] = {}
+_finalizers: dict[int, weakref.finalize] = {}
 
 
 def pending_transfers() -> int:
     """Number of started copies not yet waited for, plus host buffers not yet swapped back."""
     with _lock:
-        return len(_transfers) + len(_host_buffers)
+        return len(_transfers) + len(_host_bytes)
 
 
-def _release_host_buffer(key: int) -> None:
+def _track_host_buffer(buf: torch.Tensor) -> None:
+    key = buf.data_ptr()
     with _lock:
-        buf = _host_buffers.pop(key, None)
-    if buf is not None:
-        host_pool().release(buf)
+        _host_bytes[key] = buf.numel()
+        fin = _finalizers.get(key)
+        if fin is None or not fin.alive:
+            _finalizers[key] = weakref.finalize(buf.untyped_storage(), _storage_died, key)
+
+
+def _storage_died(key: int) -> None:
+    """A pooled host buffer died: stop counting it, and drop a copy into it nobody waited for."""
+    with _lock:
+        _finalizers.pop(key, None)
+        nbytes = _host_bytes.pop(key, None)
+        _transfers.pop(key, None)
+    if nbytes is not None:
+        host_pool().forget(nbytes)
+
+
+def _output_died(key: int, transfer: _Transfer) -> None:
+    """A prefetched tensor died before anyone waited for it: give its host buffer back."""
+    with _lock:
+        if _transfers.get(key) is not transfer:
+            return
+        del _transfers[key]
+    if transfer.release is not None:
+        transfer.event.synchronize()  # the copy may still read the buffer
+        host_pool().release(transfer.release)
+
+
+def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
+    """The whole pooled buffer behind ``host`` (flat bytes), if it is still counted as in use."""
+    with _lock:
+        nbytes = _host_bytes.pop(host.data_ptr(), None)
+    if nbytes is None:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
 
 
 @register_reset_hook
 def _reset_pending() -> None:
     with _lock:
-        buffers = list(_host_buffers.values())
-        _host_buffers.clear()
+        dropped = sum(_host_bytes.values())
+        held = [t.release for t in _transfers.values() if t.release is not None]
+        _host_bytes.clear()
         _transfers.clear()
-    for buf in buffers:
+    if dropped:
+        host_pool().forget(dropped)
+    for buf in held:
         host_pool().release(buf)
 
 
@@ -119,11 +157,9 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     ds.wait(stream, ready)
     with ds.use(stream):
         host.copy_(x, non_blocking=ds.is_async)
-    key = host.data_ptr()
     with _lock:
-        _transfers[key] = _Transfer(ds.record_event(stream), x.device, use_streams)
-        _host_buffers[key] = buf
-    weakref.finalize(host, _release_host_buffer, key)
+        _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
+    _track_host_buffer(buf)
     stats.record(swap_outs=1, swapped_out_bytes=_nbytes(x))
     return host
 
@@ -153,9 +189,10 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     ds.wait(stream, ready)
     with ds.use(stream):
         out.copy_(host, non_blocking=ds.is_async)
+    transfer = _Transfer(ds.record_event(stream), out.device, use_streams, _take_host_buffer(host))
     with _lock:
-        buf = _host_buffers.pop(host.data_ptr(), None)
-        _transfers[out.data_ptr()] = _Transfer(ds.record_event(stream), out.device, use_streams, buf)
+        _transfers[out.data_ptr()] = transfer
+    weakref.finalize(out.untyped_storage(), _output_died, out.data_ptr(), transfer)
     stats.record(swap_ins=1, swapped_in_bytes=_nbytes(host))
     return out
 
@@ -212,12 +249,12 @@ def _wait_for(t: torch.Tensor) -> None:
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
 def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
     _wait_for(t)
-    return t
+    return torch.ops.aten.alias.default(t)  # a view, as the schema says: ops below autograd may not return inputs
 
 
 @torch.library.register_fake("swap_pass::wait")
 def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
-    return t
+    return torch.ops.aten.alias.default(t)
 
 
 has_side_effect(torch.ops.swap_pass.wait.default)
