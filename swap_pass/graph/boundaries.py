@@ -15,6 +15,7 @@ in an index under one parent (``model.layers.0``, ``model.layers.1``...).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -54,13 +55,13 @@ class LayerBoundary:
 
 # --- module names -----------------------------------------------------------------------------
 
-_PREFIX = re.compile(r"^L\['[^']*'\](?:\[\d+\])*\.?")
+_PREFIX = re.compile(r"^[A-Za-z_]\w*\['[^']*'\](?:\[\d+\])*\.?")
 
 
 def normalize_fqn(path: str) -> str:
     """Turn Dynamo's ``L['self'].layers[0]`` / ``._modules['x']`` spellings into ``layers.0``."""
+    path = re.sub(r"\.?_modules\['([^']+)'\]", r".\1", path)
     path = _PREFIX.sub("", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")
@@ -169,18 +170,27 @@ def _external_inputs(members: list[fx.Node], fqn: str, owner: dict[fx.Node, str 
 
 
 def _entering(inputs: list[fx.Node], prev: str | None, owner: dict[fx.Node, str | None],
-              shape: str | None) -> fx.Node | None:
-    """Pick the residual stream among a layer's inputs: made by the previous layer, else shaped like it."""
+              shape: str | None, order: dict[fx.Node, int]) -> fx.Node | None:
+    """Pick the residual stream among a layer's inputs: the last value the previous layer made
+    with the stream's shape, else (first layer) a value from outside every layer with that shape."""
     from_prev = [n for n in inputs if prev is not None and owner.get(n) == prev]
     if shape is not None:
-        from_prev = [n for n in from_prev if _shape_key(n) == shape] or from_prev
+        from_prev = [n for n in from_prev if _shape_key(n) == shape]
     if from_prev:
-        return from_prev[-1]
+        return max(from_prev, key=order.__getitem__)
     free = [n for n in inputs if owner.get(n) is None and _shape_key(n) is not None
             and not n.meta.get("autograd_backward")]
     if shape is not None:
         free = [n for n in free if _shape_key(n) == shape]
     return free[0] if free else None
+
+
+def _stream_shape(found: list, owner: dict[fx.Node, str | None]) -> str | None:
+    """The shape every layer receives from the one before it (the residual stream's)."""
+    votes: collections.Counter[str] = collections.Counter()
+    for (prev, _, _), (_, _, ins) in zip(found, found[1:]):
+        votes.update({_shape_key(n) for n in ins if owner.get(n) == prev} - {None})
+    return votes.most_common(1)[0][0] if votes else None
 
 
 @dataclasses.dataclass
@@ -220,23 +230,24 @@ def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
         members = [n for n in gm.graph.nodes if owner[n] == fqn and n.op != "placeholder"]
         if members:
             found.append((fqn, members, _external_inputs(members, fqn, owner)))
-    inputs = _pick_inputs(found, owner)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = _pick_inputs(found, owner, order)
     return [_make_layer(i, fqn, modules[fqn], node, members)
             for i, ((fqn, members, _), node) in enumerate(zip(found, inputs))]
 
 
-def _pick_inputs(found: list, owner: dict[fx.Node, str | None]) -> list[fx.Node | None]:
-    """The entering node of each layer: from the previous layer first, then by the stream's shape."""
-    picks = [_entering(ins, found[i - 1][0] if i else None, owner, None) if i else None
-             for i, (_, _, ins) in enumerate(found)]
-    shape = next((_shape_key(n) for n in picks if n is not None and _shape_key(n)), None)
-    for i, (fqn, members, ins) in enumerate(found):
-        if picks[i] is None or (shape and _shape_key(picks[i]) != shape):
-            picks[i] = _entering(ins, found[i - 1][0] if i else None, owner, shape)
-        if picks[i] is None and shape is None and members[0].op == "call_module":
-            picks[i] = next((a for a in members[0].args if isinstance(a, fx.Node)), None)
-        elif picks[i] is None and shape is None and ins:
-            picks[i] = ins[0]  # no shape information anywhere (plain symbolic_trace)
+def _pick_inputs(found: list, owner: dict[fx.Node, str | None],
+                 order: dict[fx.Node, int]) -> list[fx.Node | None]:
+    """The entering node of each layer."""
+    shape = _stream_shape(found, owner)
+    picks = []
+    for i, (_, members, ins) in enumerate(found):
+        pick = _entering(ins, found[i - 1][0] if i else None, owner, shape, order)
+        if pick is None and shape is None and members[0].op == "call_module":
+            pick = next((a for a in members[0].args if isinstance(a, fx.Node)), None)
+        elif pick is None and shape is None and ins:
+            pick = ins[0]  # no shape information anywhere (plain symbolic_trace)
+        picks.append(pick)
     return picks
 
 
