@@ -27,6 +27,14 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
+# --- graph path (swap_pass/graph) ---
+from swap_pass.graph import (  # noqa: E402
+    apply_swap_pass,
+    find_layer_boundaries,
+    make_swap_backend,
+    swap_backend,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,6 +48,11 @@ __all__ = [
     "is_valid_for_swap",
     "reset",
     "swap_stats",
+    # --- graph path ---
+    "apply_swap_pass",
+    "find_layer_boundaries",
+    "make_swap_backend",
+    "swap_backend",
     # --- errors ---
     "HostMemoryError",
     "SwapDataError",
