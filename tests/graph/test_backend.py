@@ -221,3 +221,29 @@ def test_npu_without_torch_npu_is_an_error():
     with pytest.raises(RuntimeError, match=r"swap_pass\.make_swap_backend: inner='npu' needs "
                                            r"torch_npu and torchair"):
         make_swap_backend("npu")
+
+
+def test_forward_without_backward_and_no_grad_leave_nothing():
+    import gc
+
+    model = tiny_model(L, recompute=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=make_swap_backend("aot_eager"), fullgraph=True)
+    loss = compiled(*batch(model))
+    assert swap_pass.swap_stats().host_bytes_in_use > 0  # saved host copies of L-1 inputs
+    del loss  # no backward: the saved host copies die with the graph
+    gc.collect()
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
+    before = swap_pass.swap_stats().swap_outs
+    with torch.no_grad():
+        compiled(*batch(model))
+    assert swap_pass.swap_stats().swap_outs == before  # inference graph: nothing saved, no swap
+
+
+def test_host_cap_applies_to_the_compiled_path():
+    model = tiny_model(L, recompute=True)
+    torch._dynamo.reset()
+    backend = make_swap_backend("aot_eager", config=SwapConfig(max_host_bytes=1024))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with pytest.raises(swap_pass.HostMemoryError, match=r"max_host_bytes=1024 would be passed"):
+        compiled(*batch(model))
