@@ -27,7 +27,7 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
-# --- eager (issue 3) ---
+# --- eager ---
 from swap_pass.eager import (  # noqa: E402
     enable_swap_layer_input,
     swap_layer_input_fboverlap_1f1b_wrapper,
@@ -37,7 +37,15 @@ from swap_pass.eager import (  # noqa: E402
     swap_layer_input_init_wrapper,
 )
 
-# --- adaptive (SmartSwap, issue 6) ---
+# --- graph ---
+from swap_pass.graph import (  # noqa: E402
+    apply_swap_pass,
+    find_layer_boundaries,
+    make_swap_backend,
+    swap_backend,
+)
+
+# --- adaptive (SmartSwap) ---
 from swap_pass.smart import SmartSwap, SmartSwapConfig  # noqa: E402
 
 __version__ = "0.1.0"
@@ -53,13 +61,18 @@ __all__ = [
     "is_valid_for_swap",
     "reset",
     "swap_stats",
-    # --- eager (issue 3) ---
+    # --- eager ---
     "enable_swap_layer_input",
     "swap_layer_input_fboverlap_1f1b_wrapper",
     "swap_layer_input_fboverlap_backward_wrapper",
     "swap_layer_input_fboverlap_forward_wrapper",
     "swap_layer_input_forward_wrapper",
     "swap_layer_input_init_wrapper",
+    # --- graph ---
+    "apply_swap_pass",
+    "find_layer_boundaries",
+    "make_swap_backend",
+    "swap_backend",
     # --- adaptive (SmartSwap) ---
     "SmartSwap",
     "SmartSwapConfig",

@@ -41,7 +41,7 @@ class HostBufferPool:
         self._free_bytes = 0
         self._in_use_bytes = 0
         # Buffers handed back from finalizers; see Note: [Releasing from __del__].
-        self._deferred: collections.deque[tuple[list[torch.Tensor], dict[str, int]]] = (
+        self._deferred: collections.deque[tuple[list[torch.Tensor], int, dict[str, int]]] = (
             collections.deque()
         )
 
@@ -91,17 +91,28 @@ class HostBufferPool:
         so finalizers only append to a deque (atomic in CPython); every pool operation, and
         ``swap_stats()``, drains it first.
         """
-        self._deferred.append((bufs, stat_deltas))
+        self._deferred.append((bufs, 0, stat_deltas))
+
+    def forget(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` of handed-out buffers that died with their last user.
+
+        Safe inside finalizers: queued like :meth:`release_deferred`.
+        """
+        self._deferred.append(([], nbytes, {}))
 
     def drain_deferred(self) -> None:
-        """Release the buffers queued by :meth:`release_deferred`."""
+        """Apply what :meth:`release_deferred` and :meth:`forget` queued."""
         while self._deferred:
             try:
-                bufs, stat_deltas = self._deferred.popleft()
+                bufs, forgotten, stat_deltas = self._deferred.popleft()
             except IndexError:  # drained by another thread meanwhile
                 return
             for buf in bufs:
                 self._put_back(buf)
+            if forgotten:
+                with self._lock:
+                    self._in_use_bytes -= forgotten
+                stats.record(host_bytes_in_use=-forgotten, host_bytes_reserved=-forgotten)
             if stat_deltas:
                 stats.record(**stat_deltas)
 

@@ -1,0 +1,204 @@
+"""``swap_backend``: a Dynamo backend on AOTAutograd that swaps saved layer inputs to host memory.
+
+Pipeline::
+
+    Dynamo graph --AOTAutograd--> joint graph --partitioner--> forward + backward graphs
+                                                   |
+                        swap_saved_layer_inputs (aot_pass.py): swap_out/wait in the forward,
+                        prefetch/wait (or swap_in) in the backward, for each saved layer input
+                                                   |
+                                    inner compiler: Inductor, aot_eager, torchair (NPU), callable
+
+The partitioner is the one the inner compiler would use anyway (Inductor's own pipeline with a
+custom partitioner hook; ``min_cut_rematerialization_partition`` for the others), so the graphs
+differ from the same compile without swap only by the swap nodes. Activation-checkpointed layers
+inside the compiled region save just their input, which is exactly what gets swapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from swap_pass.config import SwapConfig
+from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs
+from swap_pass.graph.boundaries import LayerFilter
+
+__all__ = ["Partition", "make_swap_backend", "swap_backend"]
+
+_INNER_NAMES = ("inductor", "aot_eager", "npu")
+
+
+@dataclasses.dataclass
+class Partition:
+    """One forward/backward pair the backend rewrote (kept for inspection and docs)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    swapped: list[SwappedTensor]
+
+
+def _swap_partition(base: Callable, layer_filter: LayerFilter, config: SwapConfig,
+                    record: list[Partition]) -> Callable:
+    """Wrap partitioner ``base`` so that its forward/backward pair gets the swap nodes."""
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        fw, bw = base(joint, joint_inputs, **kwargs)
+        swapped = swap_saved_layer_inputs(fw, bw, kwargs["num_fwd_outputs"],
+                                          layer_filter=layer_filter, config=config)
+        record.append(Partition(fw, bw, swapped))
+        return fw, bw
+
+    return partition
+
+
+def _min_cut(joint, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+# --- inner compilers --------------------------------------------------------------------------
+
+
+def _partitioner_uuid(layer_filter: LayerFilter, config: SwapConfig) -> str:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from swap_pass.graph import aot_pass, boundaries, ops
+
+    files = tuple(m.__file__ for m in (aot_pass, boundaries, ops))
+    return f"{get_hash_for_files(files).hex()}:{layer_filter!r}:{config!r}"
+
+
+def _make_partitioner(partition: Callable, uuid: str):
+    """An Inductor ``CustomPartitionerFn`` running ``partition``; it pickles as its uuid (cache keys)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class SwapPartitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return uuid
+
+        def __reduce__(self):
+            return (str, (uuid,))
+
+    return SwapPartitioner()
+
+
+@contextlib.contextmanager
+def _inductor_partitioner(partition: Callable, uuid: str):
+    """Make Inductor's own pipeline (joint passes included) partition with ``partition``."""
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor import config as inductor_config
+
+    if hasattr(inductor_config, "custom_partitioner_fn"):
+        with inductor_config.patch(custom_partitioner_fn=_make_partitioner(partition, uuid)):
+            yield
+        return
+    # older torch: Inductor calls the module-level min-cut partitioner by name
+    original = cfx.min_cut_rematerialization_partition
+    cfx.min_cut_rematerialization_partition = functools.partial(
+        lambda base, *a, **k: partition(*a, **k), original)
+    try:
+        yield
+    finally:
+        cfx.min_cut_rematerialization_partition = original
+
+
+def _compile_inductor(gm, example_inputs, partition: Callable, uuid: str):
+    from torch._inductor.compile_fx import compile_fx
+
+    with _inductor_partitioner(partition, uuid):
+        return compile_fx(gm, example_inputs)
+
+
+def _compile_aot(gm, example_inputs, partition: Callable, fw: Callable, bw: Callable, **kwargs):
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition,
+                        keep_inference_input_mutations=True, **kwargs)(gm, example_inputs)
+
+
+def _npu_compiler() -> Callable:
+    try:
+        import torch_npu  # noqa: F401
+        import torchair
+    except ImportError as err:
+        raise RuntimeError(
+            f"swap_pass.make_swap_backend: inner='npu' needs torch_npu and torchair, which do "
+            f"not import here ({err}). Install them on an Ascend machine, or use "
+            "inner='inductor' or 'aot_eager'."
+        ) from err
+    return torchair.get_compiler(compiler_config=torchair.CompilerConfig())
+
+
+def _check_inner(inner: object) -> None:
+    if callable(inner) or inner in _INNER_NAMES:
+        return
+    raise ValueError(
+        f"swap_pass.make_swap_backend: inner={inner!r} is not a known compiler. It must be one "
+        f"of {list(_INNER_NAMES)} or a callable (gm, example_inputs) -> callable."
+    )
+
+
+# --- the backend ------------------------------------------------------------------------------
+
+
+def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: LayerFilter = None,
+                      config: SwapConfig | None = None) -> Callable:
+    """Build a Dynamo backend that swaps saved layer inputs to host memory.
+
+    Args:
+        inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``,
+            ``"npu"`` (torchair's compiler; needs ``torch_npu`` and ``torchair``), or a callable
+            ``(gm, example_inputs) -> callable`` used for both forward and backward.
+            Default: ``"inductor"``.
+        layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
+            Default: ``None`` (guess).
+        config: Runtime knobs: ``max_host_bytes``, ``prefetch``, ``use_streams``,
+            ``min_swap_bytes``. Default: ``SwapConfig()``.
+
+    Returns:
+        A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
+        the last rewritten forward/backward pairs (:class:`Partition`) for inspection.
+
+    Raises:
+        ValueError: ``inner`` is unknown. RuntimeError: ``"npu"`` without torch_npu/torchair.
+    """
+    import collections
+
+    _check_inner(inner)
+    config = config or SwapConfig()
+    npu = _npu_compiler() if inner == "npu" else None
+    record: collections.deque[Partition] = collections.deque(maxlen=16)
+    partition = _swap_partition(_min_cut, layer_filter, config, record)
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        if inner == "inductor":
+            return _compile_inductor(gm, example_inputs, partition,
+                                     _partitioner_uuid(layer_filter, config))
+        if inner == "aot_eager":
+            from torch._dynamo.backends.debugging import boxed_nop
+
+            return _compile_aot(gm, example_inputs, partition, boxed_nop, boxed_nop)
+        from functorch.compile import make_boxed_compiler
+
+        compiler = npu if npu is not None else make_boxed_compiler(inner)
+        return _compile_aot(gm, example_inputs, partition, compiler, compiler)
+
+    backend.partitions = record
+    backend.inner = inner
+    backend.__name__ = f"swap_backend_{inner if isinstance(inner, str) else 'custom'}"
+    return backend
+
+
+swap_backend = make_swap_backend()
+swap_backend.__doc__ = "The default swap backend: ``make_swap_backend(inner='inductor')``."

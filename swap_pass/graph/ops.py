@@ -1,0 +1,270 @@
+"""``torch.ops.swap_pass.*``: the swap ops that graphs hold, on the shared runtime.
+
+Forward graph (one saved layer input ``x``)::
+
+    host = swap_pass.swap_out(x)           # start D2H into a pooled host buffer (d2h stream)
+    ...                                    # the layer that reads x runs meanwhile
+    host = swap_pass.wait(host, x)         # compute stream waits for the D2H; x may now die
+
+Backward graph::
+
+    dev = swap_pass.prefetch(host, device, size, stride)   # one layer ahead: start H2D (h2d stream)
+    ...                                                    # the layer after it runs backward
+    dev = swap_pass.wait(dev, host)        # before the first reader: wait, release host buffer
+
+``swap_in`` is ``prefetch`` and ``wait`` in one, for graphs built without prefetch.
+
+The ops are functional (``swap_out`` and ``prefetch`` return new tensors), so Dynamo, ``make_fx``,
+``torch.export``, AOTAutograd and Inductor can trace, move and compile them; ``wait`` returns its
+input (an aliasing schema) and is marked side-effectful so dead-code elimination keeps it. The
+``keepalive`` argument of ``wait`` is the source of the transfer: it keeps that tensor alive in
+the graph until the copy is complete, instead of ``record_stream`` (see DESIGN.md section 4).
+Freeing is the graph's job: once ``wait`` ran, the graph drops the source and the allocator
+reuses it on the compute stream, which is already ordered after the copy.
+
+Everything goes through :mod:`swap_pass.runtime`: streams from ``device_streams``, host buffers
+from ``host_pool`` (so ``SwapConfig.max_host_bytes`` applies), counters in ``swap_stats``, and
+:func:`swap_pass.reset` drops pending transfers. On CPU the copies are synchronous and every
+event is a no-op, so the same code runs (and is tested) without an accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import torch
+from torch.fx.node import has_side_effect
+
+from swap_pass.runtime import register_reset_hook, stats
+from swap_pass.runtime.device import device_streams
+from swap_pass.runtime.host_pool import host_pool
+
+__all__ = ["prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
+
+
+# --- pending transfers ------------------------------------------------------------------------
+# Note: [Keys of pending transfers]
+# A transfer is keyed by the data_ptr of the tensor it produces (the host tensor of swap_out,
+# the device tensor of prefetch), so that ``wait`` needs only that tensor, as in PyTorch's
+# ``ao.wait_tensor``. A swap_out's host buffer counts as in use (``_host_bytes``) until the H2D
+# that consumes it completes; the registry holds no reference to it, so a host copy nobody will
+# read (forward without backward) dies with its last tensor, and a finalizer on its storage
+# stops counting it (``HostBufferPool.forget``). One finalizer per storage: pooled buffers are
+# reused every step, and finalizers must not pile up on them.
+
+
+@dataclasses.dataclass
+class _Transfer:
+    """A started copy: its completion event, and the host buffer to release once waited for."""
+
+    event: object
+    device: torch.device
+    use_streams: bool
+    release: torch.Tensor | None = None
+
+
+_lock = threading.RLock()  # finalizers may run during GC inside a locked section
+_transfers: dict[int, _Transfer] = {}
+_host_bytes: dict[int, int] = {}
+_finalizers: dict[int, weakref.finalize] = {}
+
+
+def pending_transfers() -> int:
+    """Number of started copies not yet waited for, plus host buffers not yet swapped back."""
+    with _lock:
+        return len(_transfers) + len(_host_bytes)
+
+
+def _track_host_buffer(buf: torch.Tensor) -> None:
+    key = buf.data_ptr()
+    with _lock:
+        _host_bytes[key] = buf.numel()
+        fin = _finalizers.get(key)
+        if fin is None or not fin.alive:
+            _finalizers[key] = weakref.finalize(buf.untyped_storage(), _storage_died, key)
+
+
+def _storage_died(key: int) -> None:
+    """A pooled host buffer died: stop counting it, and drop a copy into it nobody waited for."""
+    with _lock:
+        _finalizers.pop(key, None)
+        nbytes = _host_bytes.pop(key, None)
+        _transfers.pop(key, None)
+    if nbytes is not None:
+        host_pool().forget(nbytes)
+
+
+def _output_died(key: int, transfer: _Transfer) -> None:
+    """A prefetched tensor died before anyone waited for it: give its host buffer back."""
+    with _lock:
+        if _transfers.get(key) is not transfer:
+            return
+        del _transfers[key]
+    if transfer.release is not None:
+        transfer.event.synchronize()  # the copy may still read the buffer
+        host_pool().release_deferred([transfer.release])  # no pool lock inside a finalizer
+
+
+def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
+    """The whole pooled buffer behind ``host`` (flat bytes), if it is still counted as in use."""
+    with _lock:
+        nbytes = _host_bytes.pop(host.data_ptr(), None)
+    if nbytes is None:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
+
+
+@register_reset_hook
+def _reset_pending() -> None:
+    with _lock:
+        dropped = sum(_host_bytes.values())
+        held = [t.release for t in _transfers.values() if t.release is not None]
+        _host_bytes.clear()
+        _transfers.clear()
+    if dropped:
+        host_pool().forget(dropped)
+    for buf in held:
+        host_pool().release(buf)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --- swap_out ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("swap_pass::swap_out", mutates_args=())
+def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
+    """Start copying ``x`` to a pooled host buffer on the device-to-host stream.
+
+    Args:
+        x: The activation to move (any strides; the host copy is contiguous).
+        max_host_bytes: ``SwapConfig.max_host_bytes``; ``-1`` for no cap. Default: ``-1``.
+        use_streams: Copy on a side stream (accelerators only). Default: ``True``.
+
+    Returns:
+        A contiguous CPU tensor with ``x``'s values once ``wait`` has run on it.
+    """
+    ds = device_streams(x.device, use_streams)
+    buf = host_pool().acquire(_nbytes(x), pin=ds.is_async,
+                              max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
+    host = buf.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
+    ready = ds.record_event(ds.compute_stream())
+    stream = ds.d2h_stream()
+    ds.wait(stream, ready)
+    with ds.use(stream):
+        host.copy_(x, non_blocking=ds.is_async)
+    with _lock:
+        _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
+    _track_host_buffer(buf)
+    stats.record(swap_outs=1, swapped_out_bytes=_nbytes(x))
+    return host
+
+
+@swap_out.register_fake
+def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+# --- prefetch and swap_in ---------------------------------------------------------------------
+
+
+def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[int],
+                         stride: list[int]) -> torch.Tensor:
+    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` when empty."""
+    if not size and host.dim():
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+
+
+def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+               use_streams: bool) -> torch.Tensor:
+    ds = device_streams(device, use_streams)
+    out = _empty_like_original(host, device, size, stride)  # on the compute stream
+    ready = ds.record_event(ds.compute_stream())
+    stream = ds.h2d_stream()
+    ds.wait(stream, ready)
+    with ds.use(stream):
+        out.copy_(host, non_blocking=ds.is_async)
+    transfer = _Transfer(ds.record_event(stream), out.device, use_streams, _take_host_buffer(host))
+    with _lock:
+        _transfers[out.data_ptr()] = transfer
+    weakref.finalize(out.untyped_storage(), _output_died, out.data_ptr(), transfer)
+    stats.record(swap_ins=1, swapped_in_bytes=_nbytes(host))
+    return out
+
+
+@torch.library.custom_op("swap_pass::prefetch", mutates_args=())
+def prefetch(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+             use_streams: bool = True) -> torch.Tensor:
+    """Start copying ``host`` back to ``device`` on the host-to-device stream.
+
+    The destination is allocated on the compute stream with the original ``size`` and
+    ``stride`` (both empty: contiguous with ``host``'s shape, which keeps symbolic sizes out of
+    the op's arguments). Pair with ``wait(out, keepalive=host)`` before the first reader.
+    """
+    return _start_h2d(host, device, size, stride, use_streams)
+
+
+@prefetch.register_fake
+def _(host, device, size, stride, use_streams=True):
+    return _empty_like_original(host, device, size, stride)
+
+
+@torch.library.custom_op("swap_pass::swap_in", mutates_args=())
+def swap_in(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+            use_streams: bool = True) -> torch.Tensor:
+    """Copy ``host`` back to ``device`` and wait for it: ``prefetch`` and ``wait`` in one."""
+    out = _start_h2d(host, device, size, stride, use_streams)
+    _wait_for(out)
+    return out
+
+
+@swap_in.register_fake
+def _(host, device, size, stride, use_streams=True):
+    return _empty_like_original(host, device, size, stride)
+
+
+# --- wait -------------------------------------------------------------------------------------
+
+_lib = torch.library.Library("swap_pass", "FRAGMENT")
+_lib.define("wait(Tensor(a) t, Tensor? keepalive=None) -> Tensor(a)")
+
+
+def _wait_for(t: torch.Tensor) -> None:
+    """Order the compute stream after the copy that produced ``t``; release its host buffer."""
+    with _lock:
+        transfer = _transfers.pop(t.data_ptr(), None)
+    if transfer is None:  # already waited for (or a synchronous CPU copy waited by swap_in)
+        return
+    ds = device_streams(transfer.device, transfer.use_streams)
+    ds.wait(ds.compute_stream(), transfer.event)
+    if transfer.release is not None:
+        host_pool().release(transfer.release)
+
+
+@torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
+def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    _wait_for(t)
+    return torch.ops.aten.alias.default(t)  # a view, as the schema says: ops below autograd may not return inputs
+
+
+@torch.library.register_fake("swap_pass::wait")
+def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.aten.alias.default(t)
+
+
+has_side_effect(torch.ops.swap_pass.wait.default)
+
+
+def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+    """Complete the copy that produced ``t`` (from ``swap_out`` or ``prefetch``) and return ``t``.
+
+    Args:
+        t: The output of ``swap_out`` or ``prefetch``.
+        keepalive: The copy's source, kept alive in the graph up to this point. Default: ``None``.
+    """
+    return torch.ops.swap_pass.wait.default(t, keepalive)

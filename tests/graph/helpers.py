@@ -1,0 +1,112 @@
+"""Small models and graph-capturing helpers shared by the graph tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+
+TINY = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
+                   intermediate_size=32, max_seq_len=64)
+BATCH, SEQ = 2, 8
+
+
+def tiny_model(num_layers: int = 3, *, recompute: bool = False, seed: int = 0) -> LlamaStyleModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY.__dict__, "num_layers": num_layers})
+    return LlamaStyleModel(cfg, recompute=recompute)
+
+
+def batch(model: LlamaStyleModel, seq: int = SEQ, seed: int = 0):
+    return make_batch(model.cfg, BATCH, seq, seed=seed)
+
+
+class TraceableLlama(torch.nn.Module):
+    """``LlamaStyleModel`` with the rotary tables as inputs, so ``symbolic_trace`` can trace it."""
+
+    def __init__(self, model: LlamaStyleModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, cos, sin, labels):
+        m = self.model
+        h = m.embed(input_ids)
+        for layer in m.layers:
+            h = layer(h, cos, sin)
+        logits = m.lm_head(m.norm(h)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def inputs(self, seq: int = SEQ, seed: int = 0):
+        ids, labels = batch(self.model, seq, seed)
+        return ids, self.model.cos_table[:seq], self.model.sin_table[:seq], labels
+
+
+class LayerLeafTracer(fx.Tracer):
+    """Keeps whole decoder layers as ``call_module`` nodes."""
+
+    def is_leaf_module(self, m, qualname):
+        return type(m).__name__ == "LlamaDecoderLayer" or super().is_leaf_module(m, qualname)
+
+
+def trace(module: torch.nn.Module, *, leaf_layers: bool = False) -> fx.GraphModule:
+    if not leaf_layers:
+        return fx.symbolic_trace(module)
+    return fx.GraphModule(module, LayerLeafTracer().trace(module))
+
+
+def capture_dynamo_graph(model, *args) -> fx.GraphModule:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def capture_aot_graphs(model, *args) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward graphs of ``model`` after AOTAutograd's min-cut partitioner."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    pair = []
+
+    def partition(joint, inputs, **kwargs):
+        pair.extend(min_cut_rematerialization_partition(joint, inputs, **kwargs))
+        return pair[0], pair[1]
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+    torch.compile(model, backend=backend, fullgraph=True)(*args).backward()
+    return pair[0], pair[1]
+
+
+def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters()]
+
+
+def assert_grads_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert pa.grad is not None and pb.grad is not None, name
+        assert torch.equal(pa.grad, pb.grad), f"gradient of {name} differs"
+
+
+def twin(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def hf_llama_tiny(num_layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = HFConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
+                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
