@@ -1,0 +1,131 @@
+"""``run_bench``: every method side by side, ratios to no swap, the bandwidth anchor."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+from collections.abc import Callable, Iterable
+
+import torch
+
+from swap_pass.bench.harness import MethodResult, run_method
+from swap_pass.bench.measure import anchor_bandwidth
+from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
+from swap_pass.bench.presets import BenchPreset
+
+__all__ = ["BenchReport", "compare_losses", "describe_machine", "run_bench", "smart_extra_rows"]
+
+
+@dataclasses.dataclass
+class BenchReport:
+    """Everything one ``swap-pass bench`` run measured."""
+
+    meta: dict
+    rows: list[MethodResult]
+    anchor: dict
+    extra: dict
+
+    def row(self, key: str) -> MethodResult:
+        """The row of method ``key``."""
+        return next(r for r in self.rows if r.key == key)
+
+    def to_json(self) -> dict:
+        """JSON-ready data: meta, rows, anchor, extra rows."""
+        return {"meta": self.meta, "rows": [r.to_json() for r in self.rows],
+                "anchor": self.anchor, "extra": self.extra}
+
+
+def describe_machine(device: torch.device) -> str:
+    """One line naming the CPU count and the accelerator, if any."""
+    cpu = f"{os.cpu_count()} CPU cores, {platform.machine()}"
+    if device.type == "cpu":
+        return cpu
+    name = torch.get_device_module(device.type).get_device_name(device)
+    return f"{name}; {cpu}"
+
+
+def compare_losses(row: MethodResult, ref: MethodResult) -> None:
+    """Set ``row.losses_match`` (``torch.equal`` at every common step) and the largest difference."""
+    if row.status != "ok" or ref.status != "ok" or row is ref:
+        return
+    pairs = list(zip(row.loss_tensors, ref.loss_tensors))
+    row.losses_match = all(torch.equal(a, b) for a, b in pairs)
+    row.max_loss_diff = max((float((a - b).abs()) for a, b in pairs), default=0.0)
+
+
+def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
+    if base is None or base.status != "ok":
+        return
+    for r in rows:
+        if r.status == "ok":
+            r.memory_ratio = r.peak_bytes / base.peak_bytes if base.peak_bytes else None
+            r.time_ratio = r.step_s / base.step_s
+            r.tokens_ratio = r.tokens_per_s / base.tokens_per_s
+
+
+def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult]) -> dict:
+    """A plain copy of the bytes the swap rows moved, one layer input at a time."""
+    if not any(r.status == "ok" and r.swapped_out_bytes for r in rows):
+        return {"status": "skipped", "reason": "no row moved bytes through swap_pass"}
+    chunk, chunks = preset.layer_input_bytes, max(preset.model.num_layers - 1, 1)
+    d2h, h2d = anchor_bandwidth(device, chunk, chunks)
+    what = "pinned host <-> device copy" if device.type != "cpu" else "CPU memcpy (no device memory)"
+    return {"status": "ok", "what": what, "chunk_bytes": chunk, "chunks": chunks,
+            "d2h_gbs": d2h, "h2d_gbs": h2d}
+
+
+def smart_extra_rows(preset: BenchPreset, ctx: BenchContext) -> dict:
+    """SmartSwap's own rows (profiler overhead, peak vs budget), from ``swap_pass.smart.bench``.
+
+    # Note: [SmartSwap bench rows]
+    # ``swap_pass.smart.bench.bench_rows(preset=..., device=...)`` is expected to return a list
+    # of ``{"label": str, "value": str | float}``. This is the single place that calls it.
+    """
+    try:
+        bench_rows = require("swap_pass.smart.bench", "bench_rows")
+    except MethodSkipped as why:
+        return {"status": "skipped", "reason": str(why), "rows": []}
+    return {"status": "ok", "reason": "", "rows": list(bench_rows(preset=preset, device=ctx.device))}
+
+
+def _select(keys: Iterable[str] | None) -> list[Method]:
+    if keys is None:
+        return list(METHODS)
+    keys = set(keys) | {"no_swap"}  # the reference of every ratio
+    unknown = keys - {m.key for m in METHODS}
+    if unknown:
+        raise ValueError(f"swap_pass.bench: methods {sorted(unknown)} are unknown. "
+                         f"They must be among {[m.key for m in METHODS]}.")
+    return [m for m in METHODS if m.key in keys]
+
+
+def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] | None = None,
+              seed: int = 0, smart_budget_fraction: float = 0.25, command: str = "",
+              progress: Callable[[str], None] | None = None,
+              on_step: Callable[[], None] | None = None) -> BenchReport:
+    """Run the selected methods (default: all) and return the report.
+
+    Args:
+        progress: Called with each method's label before it runs. Default: ``None``.
+        on_step: Called after every training step of every method. Default: ``None``.
+    """
+    rows: list[MethodResult] = []
+    for method in _select(methods):
+        if progress is not None:
+            progress(method.label)
+        rows.append(run_method(method, preset, ctx, seed, on_step=on_step))
+        if method.key == "no_swap" and rows[-1].status == "ok":
+            ctx.smart_budget_bytes = int(rows[-1].peak_bytes * smart_budget_fraction)
+    by_key = {r.key: r for r in rows}
+    for r in rows:
+        if r.reference in by_key:
+            compare_losses(r, by_key[r.reference])
+    _ratios(rows, by_key.get("no_swap"))
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": describe_machine(ctx.device), "device": str(ctx.device),
+            "torch": torch.__version__, "preset": dataclasses.asdict(preset),
+            "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
+            "seed": seed, "command": command}
+    return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), smart_extra_rows(preset, ctx))
