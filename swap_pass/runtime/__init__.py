@@ -44,6 +44,7 @@ def register_reset_hook(fn: Callable[[], None]) -> Callable[[], None]:
 
 def swap_stats() -> SwapStats:
     """A snapshot of the runtime's counters: swaps done, bytes moved, host bytes held."""
+    host_pool().drain_deferred()
     return _stats.snapshot()
 
 

@@ -8,6 +8,7 @@ buffers included; cached buffers are dropped first when a request would pass the
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -39,6 +40,10 @@ class HostBufferPool:
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._in_use_bytes = 0
+        # Buffers handed back from finalizers; see Note: [Releasing from __del__].
+        self._deferred: collections.deque[tuple[list[torch.Tensor], dict[str, int]]] = (
+            collections.deque()
+        )
 
     @property
     def bytes_in_use(self) -> int:
@@ -56,6 +61,7 @@ class HostBufferPool:
         Raises:
             HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
         """
+        self.drain_deferred()
         key = (nbytes, pin)
         with self._lock:
             bucket = self._free.get(key)
@@ -72,6 +78,34 @@ class HostBufferPool:
 
     def release(self, buf: torch.Tensor) -> None:
         """Give ``buf`` back for reuse. Its device copies must be ordered before any reuse."""
+        self.drain_deferred()
+        self._put_back(buf)
+
+    def release_deferred(self, bufs: list[torch.Tensor], **stat_deltas: int) -> None:
+        """Queue ``bufs`` for release without taking any lock (safe inside ``__del__``).
+
+        Note: [Releasing from __del__]
+        A garbage-collected group gives its buffers back from ``__del__``, which the collector
+        may run in the middle of a pool or stats update on the same thread. Taking the pool's
+        lock there would deadlock, and re-entering a half-done update would corrupt counters,
+        so finalizers only append to a deque (atomic in CPython); every pool operation, and
+        ``swap_stats()``, drains it first.
+        """
+        self._deferred.append((bufs, stat_deltas))
+
+    def drain_deferred(self) -> None:
+        """Release the buffers queued by :meth:`release_deferred`."""
+        while self._deferred:
+            try:
+                bufs, stat_deltas = self._deferred.popleft()
+            except IndexError:  # drained by another thread meanwhile
+                return
+            for buf in bufs:
+                self._put_back(buf)
+            if stat_deltas:
+                stats.record(**stat_deltas)
+
+    def _put_back(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel()
         with self._lock:
             self._free.setdefault((nbytes, buf.is_pinned()), []).append(buf)
@@ -81,6 +115,7 @@ class HostBufferPool:
 
     def clear(self) -> None:
         """Drop every cached buffer (buffers in use are not touched)."""
+        self.drain_deferred()
         with self._lock:
             dropped = self._free_bytes
             self._free.clear()

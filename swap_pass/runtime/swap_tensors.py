@@ -253,9 +253,16 @@ class SwapTensors:
 
     def __del__(self) -> None:
         # A group dropped mid-flight (exception, no backward) must not keep its host buffers.
+        # No locks here: see Note: [Releasing from __del__] in host_pool.py.
         try:
-            if any(e.host is not None for e in self._entries):
-                self.discard()
+            bufs = [e.host for e in self._entries if e.host is not None]
+            if not bufs:
+                return
+            if self._event is not None:
+                self._event.synchronize()  # an in-flight copy must finish before buffer reuse
+            freed = self.stat == SwapState.HOST and not self.kept_on_device
+            host_pool().release_deferred(
+                bufs, **({"device_bytes_released": -self.nbytes} if freed else {}))
         except Exception:  # interpreter shutdown: the pool may already be gone
             pass
 

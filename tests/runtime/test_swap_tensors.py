@@ -214,3 +214,21 @@ def test_in_place_write_during_d2h_detected(device) -> None:
     t.add_(1)
     with pytest.raises(swap_pass.SwapDataError, match="layers.3"):
         group.wait_d2h()
+
+
+@pytest.mark.parametrize("state", ["d2h", "host", "h2d"])
+def test_dropped_group_gives_host_bytes_back(state: str, device) -> None:
+    import gc
+
+    group = _group_in_state(state, device)
+    group.cycle = group  # only the cycle collector can free it, at any later allocation
+    del group
+    gc.collect()
+    s = swap_pass.swap_stats()
+    assert s.host_bytes_in_use == 0 and s.device_bytes_released == 0
+    for _ in range(50):  # finalizers running inside pool/stats updates must not deadlock
+        g = _group_in_state("host", device)
+        g.cycle = g
+        del g
+    gc.collect()
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
