@@ -69,8 +69,9 @@ class MethodResult:
 def build_model(preset: BenchPreset, recompute: bool, device: torch.device, seed: int) -> nn.Module:
     """The preset's model, weights from ``seed``, on ``device`` in the preset's dtype."""
     torch.manual_seed(seed)
-    model = LlamaStyleModel(preset.model, recompute=recompute)
-    return model.to(device=device, dtype=preset.torch_dtype)
+    with torch.device(device):  # initialized where it trains: no host-side init of big presets
+        model = LlamaStyleModel(preset.model, recompute=recompute)
+    return model.to(dtype=preset.torch_dtype)
 
 
 def _train_step(runner: Runner, opt: torch.optim.Optimizer,

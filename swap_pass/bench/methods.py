@@ -150,7 +150,7 @@ METHODS: list[Method] = [
     Method("no_swap", "no swap", _plain, reference=""),
     Method("recompute", "full recompute", _plain, recompute=True),
     Method("eager_swap", "recompute + swap (eager)", _eager_swap, recompute=True),
-    Method("compile", "compile, no swap", _compile_plain, recompute=True),
+    Method("compile", "recompute, compiled (no swap)", _compile_plain, recompute=True),
     Method("compile_swap", "recompute + swap (compile)", _compile_swap, recompute=True,
            reference="compile"),
     Method("save_on_cpu", "torch save_on_cpu", _save_on_cpu),

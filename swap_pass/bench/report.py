@@ -79,7 +79,7 @@ def format_report(report: BenchReport) -> str:
         format_rows(report.rows),
         "",
         f"peak MiB: {src}. mem/time/tok/s: ratios to 'no swap'.",
-        "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against 'compile, no swap').",
+        "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against the same compile without swap).",
         "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak host bytes.",
         _anchor_line(report.anchor),
         *_extra_lines(report.extra),
