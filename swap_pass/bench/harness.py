@@ -2,7 +2,7 @@
 
 Per method: a fresh model from the same seed; ``warmup_steps`` untimed steps (more while the
 method says it is not ready, e.g. SmartSwap before its ``"stable"`` stage); ``timed_steps`` timed
-steps (median wall time, device synchronized); one profiled step for memory and copies (see
+steps (median wall time, device synchronized; every step's time is kept); one profiled step for memory and copies (see
 :mod:`swap_pass.bench.measure`). Losses of every step are kept and compared with ``torch.equal``
 to the method's reference (no swap, or the same compile without swap).
 """
@@ -40,6 +40,7 @@ class MethodResult:
     reference: str = ""
     steps: int = 0
     step_s: float | None = None
+    step_times_s: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: float | None = None
     peak_bytes: int | None = None
     peak_source: str = ""
@@ -112,7 +113,7 @@ class _Trainer:
             self.step()
             extra += 1
 
-    def timed(self) -> float:
+    def timed(self) -> list[float]:
         times = []
         for _ in range(self.preset.timed_steps):
             synchronize(self.device)
@@ -120,14 +121,15 @@ class _Trainer:
             self.step()
             synchronize(self.device)
             times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return times
 
 
-def _fill(result: MethodResult, trainer: _Trainer, step_s: float, prof: StepProfile,
+def _fill(result: MethodResult, trainer: _Trainer, times: list[float], prof: StepProfile,
           moved: tuple[int, int]) -> None:
     stats = swap_pass.swap_stats()
-    result.status, result.steps, result.step_s = "ok", len(trainer.losses), step_s
-    result.tokens_per_s = trainer.preset.tokens_per_step / step_s
+    result.status, result.steps = "ok", len(trainer.losses)
+    result.step_s, result.step_times_s = statistics.median(times), times
+    result.tokens_per_s = trainer.preset.tokens_per_step / result.step_s
     result.peak_bytes, result.peak_source = prof.peak_bytes, prof.peak_source
     result.curve_ms, result.curve_bytes = prof.curve_ms, prof.curve_bytes
     result.loss_tensors = [loss.float().cpu() for loss in trainer.losses]
@@ -142,13 +144,13 @@ def _measure(result: MethodResult, runner: Runner, model: nn.Module, preset: Ben
              device: torch.device, seed: int, on_step: Callable[[], None] | None) -> None:
     trainer = _Trainer(runner, model, preset, device, seed, on_step)
     trainer.warm_up()
-    step_s = trainer.timed()
+    times = trainer.timed()
     before = swap_pass.swap_stats()
     prof = profile_step(device, trainer.step)
     after = swap_pass.swap_stats()
     moved = (after.swapped_out_bytes - before.swapped_out_bytes,
              after.swapped_in_bytes - before.swapped_in_bytes)
-    _fill(result, trainer, step_s, prof, moved)
+    _fill(result, trainer, times, prof, moved)
 
 
 def run_method(method: Method, preset: BenchPreset, ctx: BenchContext, seed: int = 0,

@@ -67,7 +67,7 @@ PRESETS: dict[str, BenchPreset] = {
         name="tiny",
         model=LlamaConfig(vocab_size=256, hidden_size=64, num_layers=8, num_heads=4,
                           intermediate_size=176, max_seq_len=1024),
-        batch=4, seq=512, dtype="fp32", warmup_steps=2, timed_steps=3,
+        batch=4, seq=512, dtype="fp32", warmup_steps=2, timed_steps=5,
         note="CPU default: 8 layers, hidden 64; layer inputs dominate the step's memory",
     ),
     "llama-8b-layer": BenchPreset(

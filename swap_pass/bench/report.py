@@ -74,7 +74,8 @@ def format_report(report: BenchReport) -> str:
     lines = [
         f"swap-pass bench: preset {p['name']} on {m['device']} ({m['machine']}), torch {m['torch']}, {m['date']}",
         f"model: {p['model']['num_layers']} layers, hidden {p['model']['hidden_size']}, batch {p['batch']}, "
-        f"seq {p['seq']}, {p['dtype']}; compile rows use inner={m['compile_inner']}",
+        f"seq {p['seq']}, {p['dtype']}; compile rows use inner={m['compile_inner']}; "
+        f"{p['timed_steps']} timed steps (median); load average {m['load_avg_1m'][0]} -> {m['load_avg_1m'][1]}",
         "",
         format_rows(report.rows),
         "",

@@ -90,6 +90,14 @@ def smart_extra_rows(preset: BenchPreset, ctx: BenchContext) -> dict:
     return {"status": "ok", "reason": "", "rows": list(bench_rows(preset=preset, device=ctx.device))}
 
 
+def _load() -> float | None:
+    """The 1-minute load average (other work on the machine skews the step times)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _select(keys: Iterable[str] | None) -> list[Method]:
     if keys is None:
         return list(METHODS)
@@ -112,6 +120,7 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         on_step: Called after every training step of every method. Default: ``None``.
     """
     rows: list[MethodResult] = []
+    load_before = _load()
     for method in _select(methods):
         if progress is not None:
             progress(method.label)
@@ -127,5 +136,5 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
             "machine": describe_machine(ctx.device), "device": str(ctx.device),
             "torch": torch.__version__, "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
-            "seed": seed, "command": command}
+            "seed": seed, "command": command, "load_avg_1m": [load_before, _load()]}
     return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), smart_extra_rows(preset, ctx))
