@@ -31,7 +31,7 @@ def _add_sizes(p: argparse.ArgumentParser) -> None:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train a small Llama-style model with and without swap")
     _add_sizes(p)
-    p.add_argument("--steps", type=int, help="training steps per row (default: 6)")
+    p.add_argument("--steps", type=int, help="training steps per row, >= 3 (default: 4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

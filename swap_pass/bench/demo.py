@@ -19,17 +19,22 @@ from swap_pass.bench.run import run_bench
 __all__ = ["DEMO_METHODS", "demo_preset", "format_demo", "run_demo"]
 
 DEMO_METHODS = ("no_swap", "recompute", "eager_swap")
+DEFAULT_STEPS = 4  # per row: 1 warm-up, 2 timed, 1 profiled
 
 def demo_preset(*, hidden: int | None = None, layers: int | None = None, seq: int | None = None,
                 batch: int | None = None, steps: int | None = None) -> BenchPreset:
-    """The ``tiny`` preset with the sizes given (None keeps the preset's value)."""
+    """The ``tiny`` preset with the sizes given (None keeps the preset's value).
+
+    ``steps`` counts every step of a row: one warm-up, ``steps - 2`` timed, one profiled.
+    Default: ``DEFAULT_STEPS``.
+    """
     preset = get_preset("tiny")
     changes = {"hidden_size": hidden, "num_layers": layers, "seq": seq, "batch": batch}
     changes = {k: v for k, v in changes.items() if v is not None}
     if seq is not None:
         changes["max_seq_len"] = max(seq, preset.model.max_seq_len)
-    if steps is not None:
-        changes.update(warmup_steps=1, timed_steps=max(steps - 2, 1))
+    steps = DEFAULT_STEPS if steps is None else steps
+    changes.update(warmup_steps=1, timed_steps=max(steps - 2, 1))
     return preset.resized(**changes)
 
 def _cells(r: MethodResult) -> list[str]:
@@ -64,7 +69,22 @@ def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress:
     bar.close()
     return report.rows
 
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
+class _NoBar:
+    """Stand-in when tqdm is not installed (it comes with the ``test`` extra)."""
 
+    def update(self, n: int = 1) -> None:
+        return None
+
+    def set_description(self, text: str) -> None:
+        print(f"... {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        return None
+
+
+def _progress_bar(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
     return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, leave=False)
