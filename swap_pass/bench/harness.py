@@ -97,10 +97,13 @@ class _Trainer:
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         self.losses: list[torch.Tensor] = []
 
-    def step(self) -> None:
-        i = len(self.losses)
-        batch = make_batch(self.preset.model, self.preset.batch, self.preset.seq,
-                           seed=self.seed + i, device=self.device)
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's data, already on the device (its copy is not part of any step)."""
+        return make_batch(self.preset.model, self.preset.batch, self.preset.seq,
+                          seed=self.seed + len(self.losses), device=self.device)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        batch = self.next_batch() if batch is None else batch
         self.losses.append(_train_step(self.runner, self.opt, batch))
         if self.on_step is not None:
             self.on_step()
@@ -116,9 +119,10 @@ class _Trainer:
     def timed(self) -> list[float]:
         times = []
         for _ in range(self.preset.timed_steps):
+            batch = self.next_batch()
             synchronize(self.device)
             t = time.perf_counter()
-            self.step()
+            self.step(batch)
             synchronize(self.device)
             times.append(time.perf_counter() - t)
         return times
@@ -146,7 +150,8 @@ def _measure(result: MethodResult, runner: Runner, model: nn.Module, preset: Ben
     trainer.warm_up()
     times = trainer.timed()
     before = swap_pass.swap_stats()
-    prof = profile_step(device, trainer.step)
+    batch = trainer.next_batch()
+    prof = profile_step(device, lambda: trainer.step(batch))
     after = swap_pass.swap_stats()
     moved = (after.swapped_out_bytes - before.swapped_out_bytes,
              after.swapped_in_bytes - before.swapped_in_bytes)
