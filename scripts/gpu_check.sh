@@ -12,6 +12,7 @@
 # Exit status: 0 when every stage passed, else the number of stages that failed.
 # Dry run on a CPU machine (no install, small preset):
 #   GPU_CHECK_NO_INSTALL=1 GPU_CHECK_PRESET=tiny OUT=/tmp/gc scripts/gpu_check.sh
+# GPU_CHECK_BENCH_ARGS adds bench flags (e.g. "--layers 2 --steps 1").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -62,7 +63,8 @@ else summary "pytest -m accelerator: FAILED (exit $rc; 124 = time limit)"; faile
 # --- 4. bench, eager rows then compile rows (<= 4.5 min) ----------------------------------
 plot() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/$1.png"; }
 bench() {  # name, time limit, methods
-  timeout "$2" python3 -m swap_pass bench --preset "$PRESET" --methods "$3" \
+  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of extra flags
+  timeout "$2" python3 -m swap_pass bench --preset "$PRESET" --methods "$3" ${GPU_CHECK_BENCH_ARGS:-} \
     --json "$OUT/$1.json" $(plot "$1") >> "$OUT/bench.txt" 2>&1
   local rc=$?
   if [ "$rc" -eq 0 ]; then summary "bench $1: ok"
