@@ -101,7 +101,8 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
     assert rec["losses_match"] is True and rec["max_loss_diff"] == 0.0
     # On CPU save_on_cpu has nowhere to move tensors to: same peak, same losses.
     assert rows["save_on_cpu"]["losses_match"] is True
-    assert rows["save_on_cpu"]["peak_bytes"] == base["peak_bytes"]
+    # Within 1%: runs of the same steps have differed by a few KiB of allocator bookkeeping.
+    assert rows["save_on_cpu"]["peak_bytes"] == pytest.approx(base["peak_bytes"], rel=0.01)
     assert rows["compile"]["losses_match"] is not None
     assert max(base["curve_bytes"]) == base["peak_bytes"] and base["curve_ms"][0] == 0.0
 
