@@ -52,15 +52,15 @@ if [ -z "${GPU_CHECK_NO_INSTALL:-}" ]; then
 fi
 python3 -c "import swap_pass" || { summary "FAIL: swap_pass does not import"; exit 99; }
 
-# --- 3. accelerator-only tests (<= 3 min) -------------------------------------------------
-timeout 180 python3 -m pytest -q -m accelerator -p no:cacheprovider --continue-on-collection-errors \
+# --- 3. accelerator-only tests (<= 140 s) -------------------------------------------------
+timeout 140 python3 -m pytest -q -m accelerator -p no:cacheprovider --continue-on-collection-errors \
   --junitxml "$OUT/accelerator-junit.xml" > "$OUT/pytest-accelerator.txt" 2>&1
 rc=$?
 tail -n 15 "$OUT/pytest-accelerator.txt"
 if [ "$rc" -eq 0 ]; then summary "pytest -m accelerator: passed"
 else summary "pytest -m accelerator: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 
-# --- 4. bench, eager rows then compile rows (<= 4.5 min) ----------------------------------
+# --- 4. bench, eager rows then compile rows (<= 170 s + 140 s) ----------------------------------
 plot() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/$1.png"; }
 bench() {  # name, time limit, methods
   # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of extra flags
@@ -70,8 +70,8 @@ bench() {  # name, time limit, methods
   if [ "$rc" -eq 0 ]; then summary "bench $1: ok"
   else summary "bench $1: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 }
-bench "bench-$PRESET" 120 no_swap,recompute,eager_swap,save_on_cpu,smartswap,torchtune
-bench "bench-$PRESET-compile" 150 compile,compile_swap
+bench "bench-$PRESET" 170 no_swap,recompute,eager_swap,save_on_cpu,smartswap,torchtune
+GPU_CHECK_BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-} --no-smart-rows" bench "bench-$PRESET-compile" 140 compile,compile_swap
 cat "$OUT/bench.txt"
 
 summary "gpu_check: $failed stage(s) failed; outputs in $OUT"

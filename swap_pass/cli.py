@@ -50,6 +50,8 @@ def _add_bench(sub) -> None:
                    "(default: inductor on an accelerator, aot_eager on CPU)")
     p.add_argument("--smart-budget", type=float, default=0.25,
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
+    p.add_argument("--no-smart-rows", action="store_true",
+                   help="skip SmartSwap's own rows (profiler overhead, budget; about 30 s on CPU)")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method (PNG)")
 
@@ -116,7 +118,7 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     ctx = BenchContext(device, args.compile_inner or default_compile_inner())
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     report = run_bench(preset, ctx, methods=methods, seed=args.seed, smart_budget_fraction=args.smart_budget,
-                       command=shlex.join(["swap-pass", *argv]),
+                       command=shlex.join(["swap-pass", *argv]), smart_rows=not args.no_smart_rows,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
     print(format_report(report))
     if args.json:

@@ -12,9 +12,11 @@ A copy hides behind compute when it takes no longer than the compute it overlaps
                time_bwd = 2 * time_fwd  (+ time_fwd for the recompute)
 
 # Note: [One place for the simulator]
-# Every number ``plan`` prints comes from :func:`simulate`. SmartSwap's simulator (issue 6,
-# ``swap_pass.smart``) models the same copy-vs-compute windows in more detail; when it is merged,
-# :func:`simulate` is the single function to switch over to it. Nothing else needs to change.
+# Every number ``plan`` prints comes from :func:`simulate`. Besides the closed forms above it
+# runs SmartSwap's simulator (``swap_pass.smart.simulator.simulate``, the one SmartSwap's policy
+# scores its plans with) on the same per-layer times and bytes, when that module is in the build:
+# its stall and peak are printed next to the closed forms. :func:`_smart_simulation` is the single
+# place that calls it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class PlanResult:
     h2d_s: float
     d2h_hidden: bool
     h2d_hidden: bool
+    sim_stall_s: float | None = None
+    sim_peak_bytes: int | None = None
+    sim_source: str = ""
 
     @property
     def hides(self) -> bool:
@@ -95,6 +100,22 @@ class PlanResult:
 def layer_forward_flops(batch: int, seq: int, hidden: int) -> float:
     """Forward FLOPs of one Transformer layer: ``24*b*s*h^2 + 4*b*s^2*h``."""
     return 24.0 * batch * seq * hidden**2 + 4.0 * batch * seq**2 * hidden
+
+
+def _smart_simulation(p: PlanInputs, per_layer: int, t_fwd: float, t_bwd: float) -> dict:
+    """Stall and peak of one micro-batch's step from SmartSwap's simulator, if it is in the build."""
+    try:
+        from swap_pass.smart.simulator import simulate as smart_simulate
+    except ImportError:
+        return {"sim_source": "swap_pass.smart.simulator not available in this build"}
+    n = p.layers
+    swap = [per_layer] * (n - 1) + [0]  # the last layer's input stays on the device
+    resident = [0] * (n - 1) + [per_layer]
+    bw = p.bandwidth_gbs * 1e9
+    sim = smart_simulate([t_fwd] * n, [t_bwd] * n, resident, swap, d2h_bandwidth=bw, h2d_bandwidth=bw,
+                         prefetch_depth=1)
+    return {"sim_stall_s": sim.stall_s, "sim_peak_bytes": sim.peak_bytes,
+            "sim_source": "swap_pass.smart.simulator.simulate"}
 
 
 def simulate(inputs: PlanInputs) -> PlanResult:
@@ -125,6 +146,7 @@ def simulate(inputs: PlanInputs) -> PlanResult:
         h2d_s=t_copy,
         d2h_hidden=t_copy <= t_fwd,
         h2d_hidden=t_copy <= t_bwd,
+        **_smart_simulation(p, per_layer, t_fwd, t_bwd),
     )
 
 
@@ -140,6 +162,13 @@ def _verdict(copy_s: float, window_s: float) -> str:
     if copy_s <= window_s:
         return f"hidden (copy uses {copy_s / window_s:.0%} of the window)"
     return f"NOT hidden: stalls ~{_ms(copy_s - window_s)} per layer"
+
+
+def _simulation_rows(r: PlanResult) -> list[tuple[str, str]]:
+    if r.sim_stall_s is None:
+        return [("SmartSwap simulator", r.sim_source)]
+    return [("simulated stall per step (SmartSwap sim)", _ms(r.sim_stall_s)),
+            ("simulated peak layer inputs on device", _mib(r.sim_peak_bytes))]
 
 
 def format_plan(inputs: PlanInputs, result: PlanResult) -> str:
@@ -160,6 +189,7 @@ def format_plan(inputs: PlanInputs, result: PlanResult) -> str:
         ("D2H vs next layer's forward", _verdict(r.d2h_s, r.layer_forward_s)),
         (f"H2D vs next layer's {bwd}", _verdict(r.h2d_s, r.layer_backward_s)),
     ]
+    rows += _simulation_rows(r)
     width = max(len(k) for k, _ in rows)
     head = (f"swap-pass plan: hidden={p.hidden} seq={p.seq} layers={p.layers} batch={p.batch} "
             f"dtype={p.dtype} micro_batches={p.micro_batches}")

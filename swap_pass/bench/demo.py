@@ -64,7 +64,7 @@ def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress:
     steps_per_method = preset.warmup_steps + preset.timed_steps + 1
     bar = _progress_bar(steps_per_method * len(DEMO_METHODS), progress)
     ctx = BenchContext(device, default_compile_inner())
-    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed,
+    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False,
                        progress=lambda label: bar.set_description(label), on_step=bar.update)
     bar.close()
     return report.rows

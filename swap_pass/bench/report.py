@@ -64,7 +64,7 @@ def _anchor_line(anchor: dict) -> str:
 def _extra_lines(extra: dict) -> list[str]:
     if extra.get("status") != "ok":
         return [f"SmartSwap extra rows: SKIPPED: {extra.get('reason', '')}"]
-    return [f"SmartSwap: {row.get('label')}: {row.get('value')}" for row in extra.get("rows", [])]
+    return [f"SmartSwap {row.get('label')}: {row.get('value')}" for row in extra.get("rows", [])]
 
 
 def format_report(report: BenchReport) -> str:

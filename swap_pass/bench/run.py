@@ -76,18 +76,31 @@ def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult])
             "d2h_gbs": d2h, "h2d_gbs": h2d}
 
 
-def smart_extra_rows(preset: BenchPreset, ctx: BenchContext) -> dict:
-    """SmartSwap's own rows (profiler overhead, peak vs budget), from ``swap_pass.smart.bench``.
+def _row_text(row: dict) -> dict:
+    text = ", ".join(f"{k}={v}" for k, v in row.items() if k != "name")
+    return {"label": str(row.get("name", "")), "value": text, "data": row}
+
+
+def smart_extra_rows(overhead_steps: int = 60) -> dict:
+    """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget.
 
     # Note: [SmartSwap bench rows]
-    # ``swap_pass.smart.bench.bench_rows(preset=..., device=...)`` is expected to return a list
-    # of ``{"label": str, "value": str | float}``. This is the single place that calls it.
+    # ``profiler_overhead_rows(steps=...)`` and ``budget_rows()`` return lists of plain dicts
+    # (their module documents the keys); this is the single place that calls them. They run
+    # SmartSwap's own CPU bench model, whatever the bench's device.
+
+    Args:
+        overhead_steps: Timed steps per profiler variant. Default: ``60``.
     """
     try:
-        bench_rows = require("swap_pass.smart.bench", "bench_rows")
+        overhead = require("swap_pass.smart.bench", "profiler_overhead_rows")
+        budget = require("swap_pass.smart.bench", "budget_rows")
     except MethodSkipped as why:
         return {"status": "skipped", "reason": str(why), "rows": []}
-    return {"status": "ok", "reason": "", "rows": list(bench_rows(preset=preset, device=ctx.device))}
+    rows = [{**_row_text(r), "label": f"profiler overhead: {r.get('name', '')}"}
+            for r in overhead(steps=overhead_steps)]
+    rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"} for r in budget()]
+    return {"status": "ok", "reason": "", "rows": rows}
 
 
 def _load() -> float | None:
@@ -112,12 +125,13 @@ def _select(keys: Iterable[str] | None) -> list[Method]:
 def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] | None = None,
               seed: int = 0, smart_budget_fraction: float = 0.25, command: str = "",
               progress: Callable[[str], None] | None = None,
-              on_step: Callable[[], None] | None = None) -> BenchReport:
+              on_step: Callable[[], None] | None = None, smart_rows: bool = True) -> BenchReport:
     """Run the selected methods (default: all) and return the report.
 
     Args:
         progress: Called with each method's label before it runs. Default: ``None``.
         on_step: Called after every training step of every method. Default: ``None``.
+        smart_rows: Also run SmartSwap's own rows (:func:`smart_extra_rows`). Default: ``True``.
     """
     rows: list[MethodResult] = []
     load_before = _load()
@@ -137,4 +151,5 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
             "torch": torch.__version__, "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
             "seed": seed, "command": command, "load_avg_1m": [load_before, _load()]}
-    return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), smart_extra_rows(preset, ctx))
+    extra = smart_extra_rows() if smart_rows else {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
+    return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), extra)

@@ -63,7 +63,7 @@ RUNTIME_SWAP = Method("runtime_swap", "runtime swap after forward", _swap_inputs
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--preset", "tiny", "--layers", "4", "--seq", "128", "--batch", "2", "--steps", "1",
-            "--warmup", "1", "--device", "cpu", "--json", str(out / "b.json"), "--plot", str(out / "m.png")]
+            "--warmup", "1", "--device", "cpu", "--no-smart-rows", "--json", str(out / "b.json"), "--plot", str(out / "m.png")]
     swap_pass.reset()
     rc = main(argv)
     swap_pass.reset()
@@ -87,6 +87,7 @@ def test_bench_prints_every_row_and_writes_json_and_plot(bench_json, capsys):
             assert rows[key]["reason"] == f"swap_pass.{name} not available in this build"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["meta"]["command"].startswith("swap-pass bench --preset tiny")
+    assert data["extra"] == {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
 
 
 @pytest.mark.slow
@@ -168,3 +169,19 @@ def test_merged_swap_rows_run_and_match(key):
     assert row.status == "ok", row.reason
     assert row.losses_match is True
     assert row.swapped_out_bytes > 0 and row.peak_device_bytes_released > 0
+
+
+def test_smartswap_extra_rows_or_their_skip_reason():
+    from swap_pass.bench.run import smart_extra_rows
+
+    try:
+        import swap_pass.smart.bench  # noqa: F401
+    except ImportError:
+        extra = smart_extra_rows()
+        assert extra["status"] == "skipped" and "not available in this build" in extra["reason"]
+        return
+    extra = smart_extra_rows(overhead_steps=3)
+    assert extra["status"] == "ok"
+    labels = [r["label"] for r in extra["rows"]]
+    assert any(label.startswith("profiler overhead: ") for label in labels)
+    assert any(label.startswith("budget: ") for label in labels)

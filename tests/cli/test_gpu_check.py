@@ -25,7 +25,7 @@ def test_script_parses_and_runs_the_required_stages():
 @pytest.mark.slow
 def test_dry_run_writes_its_outputs_under_out(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_NO_INSTALL": "1", "GPU_CHECK_PRESET": "tiny",
-           "GPU_CHECK_BENCH_ARGS": "--layers 2 --seq 64 --steps 1 --warmup 1"}
+           "GPU_CHECK_BENCH_ARGS": "--layers 2 --seq 64 --steps 1 --warmup 1 --no-smart-rows"}
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "summary.txt").read_text()

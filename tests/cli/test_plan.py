@@ -74,3 +74,28 @@ def test_plan_command_rejects_bad_dtype(capsys):
     rc = main(["plan", "--hidden", "64", "--seq", "64", "--layers", "2", "--dtype", "int3"])
     assert rc == 2
     assert "swap_pass.plan: dtype='int3' is unknown" in capsys.readouterr().err
+
+
+def _has_smart_simulator() -> bool:
+    try:
+        import swap_pass.smart.simulator  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_plan_says_when_smartswap_simulator_is_missing():
+    if _has_smart_simulator():
+        pytest.skip("swap_pass.smart.simulator is in this build (see the next test)")
+    r = simulate(PlanInputs(hidden=64, seq=64, layers=4))
+    assert r.sim_stall_s is None and r.sim_source == "swap_pass.smart.simulator not available in this build"
+
+
+@pytest.mark.parametrize("bandwidth, stalls", [(1000.0, False), (0.5, True)])
+def test_plan_runs_smartswap_simulator_on_the_same_layers(bandwidth, stalls):
+    if not _has_smart_simulator():
+        pytest.skip("swap_pass.smart.simulator not available in this build")
+    r = simulate(PlanInputs(hidden=1024, seq=1024, layers=8, bandwidth_gbs=bandwidth))
+    assert r.sim_source == "swap_pass.smart.simulator.simulate"
+    assert (r.sim_stall_s > 0) is stalls and r.hides is not stalls
+    assert r.sim_peak_bytes == 2 * r.layer_input_bytes  # the closed form's "at most 2" agrees
