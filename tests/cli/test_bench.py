@@ -110,7 +110,7 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
 
 def test_runtime_swap_fills_the_swap_columns_and_the_anchor(monkeypatch):
     monkeypatch.setattr("swap_pass.bench.run.METHODS", [METHODS[0], METHODS[1], RUNTIME_SWAP])
-    report = run_bench(SMALL, BenchContext(CPU))
+    report = run_bench(SMALL, BenchContext(CPU), smart_rows=False)
     row = report.row("runtime_swap")
     swapped = (SMALL.model.num_layers - 1) * SMALL.layer_input_bytes
     assert row.status == "ok", row.reason
@@ -164,7 +164,8 @@ def test_merged_swap_rows_run_and_match(key):
         pytest.skip(f"swap_pass.{MODEL_NEEDS[key]} not available in this build")
     methods = {m.key: m for m in METHODS}
     ctx = BenchContext(CPU)
-    report = run_bench(SMALL, ctx, methods=[key, methods[key].reference or "no_swap", "recompute"])
+    report = run_bench(SMALL, ctx, methods=[key, methods[key].reference or "no_swap", "recompute"],
+                       smart_rows=False)
     row = report.row(key)
     assert row.status == "ok", row.reason
     assert row.losses_match is True
