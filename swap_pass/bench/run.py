@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from swap_pass.bench.harness import MethodResult, run_method
+from swap_pass.bench.harness import MethodResult, build_model, run_method
 from swap_pass.bench.measure import anchor_bandwidth
 from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
 from swap_pass.bench.presets import BenchPreset
+from swap_pass.models import make_batch
 
 __all__ = ["BenchReport", "compare_losses", "describe_machine", "run_bench", "smart_extra_rows"]
 
@@ -103,6 +104,20 @@ def smart_extra_rows(overhead_steps: int = 60) -> dict:
     return {"status": "ok", "reason": "", "rows": rows}
 
 
+def _warm_up_kernels(preset: BenchPreset, device: torch.device, seed: int) -> None:
+    """One throwaway step of the plain model before any row.
+
+    # Note: [First-call kernels]
+    # On torch 2.13 CPU with 2 threads, the first ``torch.tanh`` / ``torch.rsqrt`` of a process
+    # over a tensor large enough to be split across threads sometimes differs from every later
+    # call (131011 of 262144 elements, up to 5e-5; never with one thread). A row that happened to
+    # run first would then "differ" from the others at step 0. Every row runs after this step.
+    """
+    model = build_model(preset, False, device, seed)
+    input_ids, labels = make_batch(preset.model, preset.batch, preset.seq, seed=seed, device=device)
+    model(input_ids, labels).backward()
+
+
 def _load() -> float | None:
     """The 1-minute load average (other work on the machine skews the step times)."""
     try:
@@ -135,6 +150,7 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
     """
     rows: list[MethodResult] = []
     load_before = _load()
+    _warm_up_kernels(preset, ctx.device, seed)
     for method in _select(methods):
         if progress is not None:
             progress(method.label)
