@@ -1,23 +1,168 @@
-"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan``."""
+"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan`` (also ``python -m swap_pass``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import shlex
 import sys
+
+import torch
 
 __all__ = ["build_parser", "main"]
 
 
+def _device(name: str | None) -> torch.device:
+    from swap_pass.runtime.device import accelerator_type
+
+    return torch.device(name or accelerator_type())
+
+
+def _add_sizes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, help="hidden size (default: the preset's)")
+    p.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--batch", type=int, help="micro-batch size (default: the preset's)")
+    p.add_argument("--device", help="cpu, cuda, npu... (default: the best device present)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="train a small Llama-style model with and without swap")
+    _add_sizes(p)
+    p.add_argument("--steps", type=int, help="training steps per row, >= 3 (default: 4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_bench(sub) -> None:
+    from swap_pass.bench.methods import METHODS
+    from swap_pass.bench.presets import PRESETS
+
+    p = sub.add_parser("bench", help="compare swap methods and peers on one model, seed and data")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an accelerator)")
+    _add_sizes(p)
+    p.add_argument("--methods", help="comma list of " + ",".join(m.key for m in METHODS) + " (default: all)")
+    p.add_argument("--steps", type=int, help="timed steps (default: the preset's)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default: the preset's)")
+    p.add_argument("--compile-inner", help="inner compiler of the compile rows "
+                   "(default: inductor on an accelerator, aot_eager on CPU)")
+    p.add_argument("--smart-budget", type=float, default=0.25,
+                   help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
+    p.add_argument("--no-smart-rows", action="store_true",
+                   help="skip SmartSwap's own rows (profiler overhead, budget; about 30 s on CPU)")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method (PNG)")
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="bytes swapped, host memory needed, and whether copies hide behind compute")
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size (default: 1)")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32, fp8 (default: bf16)")
+    p.add_argument("--bandwidth", type=float, default=25.0, help="host<->device GB/s (default: 25)")
+    p.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s (default: 300)")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches in flight, PP (default: 1)")
+    p.add_argument("--no-recompute", action="store_true", help="layers are not recomputed in backward")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-' for stdout)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``swap-pass`` argument parser."""
     parser = argparse.ArgumentParser(prog="swap-pass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a small Llama-style model with and without swap")
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_plan(sub)
     return parser
 
 
+def _sizes(args: argparse.Namespace) -> dict:
+    out = {"hidden_size": args.hidden, "num_layers": args.layers, "seq": args.seq, "batch": args.batch}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from swap_pass.bench.demo import demo_preset, format_demo, run_demo
+
+    device = _device(args.device)
+    preset = demo_preset(hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch,
+                         steps=args.steps)
+    rows = run_demo(preset, device, seed=args.seed, progress=not args.no_progress)
+    print(format_demo(rows, preset, device))
+    return 1 if any(r.status == "failed" or r.losses_match is False for r in rows) else 0
+
+
+def _bench_preset(args: argparse.Namespace, device: torch.device):
+    from swap_pass.bench.presets import get_preset
+
+    preset = get_preset(args.preset or ("tiny" if device.type == "cpu" else "llama-8b-layer"))
+    changes = _sizes(args)
+    if args.seq is not None:
+        changes["max_seq_len"] = max(args.seq, preset.model.max_seq_len)
+    if args.steps is not None:
+        changes["timed_steps"] = args.steps
+    if args.warmup is not None:
+        changes["warmup_steps"] = args.warmup
+    return preset.resized(**changes)
+
+
+def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from swap_pass.bench import BenchContext, default_compile_inner, format_report, plot_memory, run_bench, write_json
+
+    device = _device(args.device)
+    preset = _bench_preset(args, device)
+    ctx = BenchContext(device, args.compile_inner or default_compile_inner())
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    report = run_bench(preset, ctx, methods=methods, seed=args.seed, smart_budget_fraction=args.smart_budget,
+                       command=shlex.join(["swap-pass", *argv]), smart_rows=not args.no_smart_rows,
+                       progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_memory(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(r.status == "failed" or r.losses_match is False for r in report.rows) else 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from swap_pass.plan import PlanInputs, format_plan, simulate
+
+    inputs = PlanInputs(hidden=args.hidden, seq=args.seq, layers=args.layers, batch=args.batch,
+                        dtype=args.dtype, bandwidth_gbs=args.bandwidth, tflops=args.tflops,
+                        micro_batches=args.micro_batches, recompute=not args.no_recompute)
+    result = simulate(inputs)
+    print(format_plan(inputs, result))
+    if args.json:
+        data = {"inputs": dataclasses.asdict(inputs), "result": {**dataclasses.asdict(result), "hides": result.hides}}
+        text = json.dumps(data, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``swap-pass`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    Exit status 1 from ``demo`` and ``bench``: a row failed or its losses differ from its reference.
+    Exit status 2: bad arguments.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        print("swap-pass demo: not built yet (see the CLI issue).", file=sys.stderr)
-        return 0
-    return 2
+    try:
+        if args.command == "demo":
+            return _run_demo(args)
+        if args.command == "bench":
+            return _run_bench(args, argv)
+        return _run_plan(args)
+    except ValueError as err:
+        print(f"swap-pass {args.command}: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One check on a CUDA machine: install swap_pass, run the accelerator-only tests, run the
+# llama-8b-layer bench. Finishes in under 8 minutes (each stage has its own time limit).
+#
+#   scripts/gpu_check.sh [WHEEL_DIR]
+#
+# WHEEL_DIR (or $WHEEL_DIR): a folder of wheels to install test dependencies from, offline.
+# Outputs go under $OUT when it is set, else ./gpu_check_out:
+#   env.txt, pytest-accelerator.txt, accelerator-junit.xml,
+#   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
+#   summary.txt
+# Exit status: 0 when every stage passed, else the number of stages that failed.
+# Dry run on a CPU machine (no install, small preset):
+#   GPU_CHECK_NO_INSTALL=1 GPU_CHECK_PRESET=tiny OUT=/tmp/gc scripts/gpu_check.sh
+# GPU_CHECK_BENCH_ARGS adds bench flags (e.g. "--layers 2 --steps 1").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+WHEELS="${1:-${WHEEL_DIR:-}}"
+PRESET="${GPU_CHECK_PRESET:-llama-8b-layer}"
+mkdir -p "$OUT"
+failed=0
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
+
+# --- 1. environment -----------------------------------------------------------------------
+python3 - > "$OUT/env.txt" 2>&1 <<'PY'
+import os, platform, torch
+print("torch", torch.__version__, "| python", platform.python_version(), "|", os.cpu_count(), "CPU cores")
+print("accelerator:", torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None)
+if torch.accelerator.is_available():
+    acc = torch.accelerator.current_accelerator()
+    print("device:", torch.get_device_module(acc.type).get_device_name(0))
+PY
+cat "$OUT/env.txt"
+
+# --- 2. install (offline) -----------------------------------------------------------------
+if [ -n "${GPU_CHECK_NO_INSTALL:-}" ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  summary "install: skipped (GPU_CHECK_NO_INSTALL); using PYTHONPATH=$PWD"
+elif [ -n "$WHEELS" ]; then
+  python3 -m pip install --no-index --find-links "$WHEELS" pytest hypothesis matplotlib tqdm \
+    >> "$OUT/install.txt" 2>&1 || summary "install: some wheels from $WHEELS did not install (see install.txt)"
+fi
+if [ -z "${GPU_CHECK_NO_INSTALL:-}" ]; then
+  if python3 -m pip install --no-deps --no-build-isolation -e . >> "$OUT/install.txt" 2>&1; then
+    summary "install: pip install -e . ok"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    summary "install: pip install -e . failed; using PYTHONPATH=$PWD"
+  fi
+fi
+python3 -c "import swap_pass" || { summary "FAIL: swap_pass does not import"; exit 99; }
+
+# --- 3. accelerator-only tests (<= 140 s) -------------------------------------------------
+timeout 140 python3 -m pytest -q -m accelerator -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml "$OUT/accelerator-junit.xml" > "$OUT/pytest-accelerator.txt" 2>&1
+rc=$?
+tail -n 15 "$OUT/pytest-accelerator.txt"
+if [ "$rc" -eq 0 ]; then summary "pytest -m accelerator: passed"
+else summary "pytest -m accelerator: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
+
+# --- 4. bench, eager rows then compile rows (<= 170 s + 140 s) ----------------------------------
+plot() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/$1.png"; }
+bench() {  # name, time limit, methods
+  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of extra flags
+  timeout "$2" python3 -m swap_pass bench --preset "$PRESET" --methods "$3" ${GPU_CHECK_BENCH_ARGS:-} \
+    --json "$OUT/$1.json" $(plot "$1") >> "$OUT/bench.txt" 2>&1
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then summary "bench $1: ok"
+  else summary "bench $1: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
+}
+bench "bench-$PRESET" 170 no_swap,recompute,eager_swap,save_on_cpu,smartswap,torchtune
+GPU_CHECK_BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-} --no-smart-rows" bench "bench-$PRESET-compile" 140 compile,compile_swap
+cat "$OUT/bench.txt"
+
+summary "gpu_check: $failed stage(s) failed; outputs in $OUT"
+exit "$failed"

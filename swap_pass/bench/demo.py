@@ -1,0 +1,90 @@
+"""``swap-pass demo``: train a small Llama-style model with and without swap, print a table.
+
+Rows: no swap; full recompute (each layer keeps only its input); recompute + swap (those inputs
+go to host memory). Same weights, seed and data; losses compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from swap_pass.bench.harness import MethodResult
+from swap_pass.bench.methods import BenchContext, default_compile_inner
+from swap_pass.bench.presets import BenchPreset, get_preset
+from swap_pass.bench.report import format_rows, mib
+from swap_pass.bench.run import run_bench
+
+__all__ = ["DEMO_METHODS", "demo_preset", "format_demo", "run_demo"]
+
+DEMO_METHODS = ("no_swap", "recompute", "eager_swap")
+DEFAULT_STEPS = 4  # per row: 1 warm-up, 2 timed, 1 profiled
+
+def demo_preset(*, hidden: int | None = None, layers: int | None = None, seq: int | None = None,
+                batch: int | None = None, steps: int | None = None) -> BenchPreset:
+    """The ``tiny`` preset with the sizes given (None keeps the preset's value).
+
+    ``steps`` counts every step of a row: one warm-up, ``steps - 2`` timed, one profiled.
+    Default: ``DEFAULT_STEPS``.
+    """
+    preset = get_preset("tiny")
+    changes = {"hidden_size": hidden, "num_layers": layers, "seq": seq, "batch": batch}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if seq is not None:
+        changes["max_seq_len"] = max(seq, preset.model.max_seq_len)
+    steps = DEFAULT_STEPS if steps is None else steps
+    changes.update(warmup_steps=1, timed_steps=max(steps - 2, 1))
+    return preset.resized(**changes)
+
+def _cells(r: MethodResult) -> list[str]:
+    match = "(reference)" if r.losses_match is None else ("yes (bitwise)" if r.losses_match
+                                                         else f"NO ({r.max_loss_diff:.1e})")
+    return [r.label, mib(r.peak_bytes), mib(r.peak_device_bytes_released) if r.peak_device_bytes_released
+            else "-", f"{r.step_s * 1e3:.1f}", match]
+
+def format_demo(rows: list[MethodResult], preset: BenchPreset, device: torch.device) -> str:
+    """The demo's table and what its memory columns mean on this device."""
+    mem = ("peak MiB = bytes the CPU allocator held above the step's start (torch.profiler memory "
+           "events; CPU has no separate device memory)") if device.type == "cpu" else \
+        "peak MiB = torch.accelerator.max_memory_allocated above the step's start"
+    head = ["", "peak MiB", "freed by swap MiB", "step ms", "losses match no swap"]
+    m = preset.model
+    return "\n".join([
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, batch {preset.batch}, seq {preset.seq}, "
+        f"{preset.dtype}, on {device}",
+        format_rows(rows, head, _cells),
+        mem,
+        "freed by swap MiB = the runtime's figure (swap_stats().peak_device_bytes_released): layer "
+        "inputs whose storage was freed because their data was on the host",
+    ])
+
+def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress: bool = True) -> list[MethodResult]:
+    """Train the demo's three rows and return them."""
+    steps_per_method = preset.warmup_steps + preset.timed_steps + 1
+    bar = _progress_bar(steps_per_method * len(DEMO_METHODS), progress)
+    ctx = BenchContext(device, default_compile_inner())
+    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False,
+                       progress=lambda label: bar.set_description(label), on_step=bar.update)
+    bar.close()
+    return report.rows
+
+class _NoBar:
+    """Stand-in when tqdm is not installed (it comes with the ``test`` extra)."""
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+    def set_description(self, text: str) -> None:
+        print(f"... {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        return None
+
+
+def _progress_bar(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, leave=False)

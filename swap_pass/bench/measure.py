@@ -1,0 +1,210 @@
+"""Measurements that do not depend on the method measured: memory over a step, copy bandwidth.
+
+Memory comes from the allocator, not from any method's own bookkeeping and without
+``saved_tensors_hooks`` (several methods install their own):
+
+* accelerator: ``torch.accelerator.max_memory_allocated`` minus the bytes allocated at the
+  step's start;
+* CPU: the same quantity rebuilt from ``torch.profiler`` memory events (``profile_memory=True``:
+  every allocation and free of the CPU allocator, ``untyped_storage().resize_(0)`` included).
+  swap_pass's host buffers come from its pool, filled during warm-up, so a steady-state step
+  allocates none: the curve is what a device would hold.
+
+Achieved copy bandwidth comes from the same profiled step: on an accelerator the device's
+``Memcpy DtoH``/``Memcpy HtoD`` records (bytes and duration, from the trace); on CPU, where
+copies are synchronous, swap_pass's own byte copies (1-D ``uint8`` ``aten::copy_``) inside the
+``bench::forward`` (D2H) and ``bench::backward`` (H2D) ranges. Other methods' copies on CPU cannot
+be told apart from the model's own, so their CPU bandwidth is left empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["CopyRate", "StepProfile", "anchor_bandwidth", "profile_step", "synchronize"]
+
+FORWARD_RANGE = "bench::forward"
+BACKWARD_RANGE = "bench::backward"
+_MIN_COPY_BYTES = 4096  # smaller copies are scalars (loss.item()), not activations
+
+
+@dataclasses.dataclass
+class CopyRate:
+    """Bytes copied in one direction during a step and the time the copies took."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbs(self) -> float | None:
+        """Achieved GB/s (10^9 bytes per second), None when nothing was copied."""
+        return self.nbytes / self.seconds / 1e9 if self.nbytes and self.seconds > 0 else None
+
+
+@dataclasses.dataclass
+class StepProfile:
+    """Memory and copies of one profiled training step.
+
+    Attributes:
+        peak_bytes: Peak bytes allocated above the step's start.
+        peak_source: Where ``peak_bytes`` comes from, in words.
+        curve_ms: Times (ms since the step began) of the memory curve's points.
+        curve_bytes: Bytes allocated above the step's start at those times.
+        d2h: Device-to-host copies found in the step.
+        h2d: Host-to-device copies found in the step.
+    """
+
+    peak_bytes: int
+    peak_source: str
+    curve_ms: list[float]
+    curve_bytes: list[int]
+    d2h: CopyRate
+    h2d: CopyRate
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on ``device`` (nothing to wait for on CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _activities(device: torch.device) -> list[ProfilerActivity]:
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    elif device.type == "xpu":
+        acts.append(ProfilerActivity.XPU)
+    elif device.type != "cpu" and hasattr(ProfilerActivity, "PrivateUse1"):
+        acts.append(ProfilerActivity.PrivateUse1)
+    return acts
+
+
+def _memory_curve(events: list, device: torch.device, t0: int) -> tuple[list[float], list[int]]:
+    """Cumulative bytes allocated on ``device`` from the profiler's memory events."""
+    want = torch.device(device).type
+    times, values, level = [0.0], [0], 0
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    for e in mem:
+        if str(e.device_type()).split(".")[-1].lower() != want:
+            continue
+        level += e.nbytes()
+        times.append((e.start_ns() - t0) / 1e6)
+        values.append(level)
+    return times, values
+
+
+def _ranges(events: list) -> dict[str, tuple[int, int]]:
+    out = {}
+    for e in events:
+        if e.name() in (FORWARD_RANGE, BACKWARD_RANGE):
+            out[e.name()] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    return out
+
+
+def _cpu_swap_copies(events: list) -> tuple[CopyRate, CopyRate]:
+    """swap_pass's byte copies on CPU, split into forward (D2H) and backward (H2D)."""
+    spans = _ranges(events)
+    rates = {FORWARD_RANGE: CopyRate(), BACKWARD_RANGE: CopyRate()}
+    for e in events:
+        shapes = e.shapes()
+        if e.name() != "aten::copy_" or e.dtypes()[:2] != ["unsigned char"] * 2 or len(shapes[0]) != 1:
+            continue
+        nbytes = shapes[0][0]
+        for name, (lo, hi) in spans.items():
+            if lo <= e.start_ns() <= hi and nbytes >= _MIN_COPY_BYTES:
+                rates[name].nbytes += nbytes
+                rates[name].seconds += e.duration_ns() / 1e9
+    return rates[FORWARD_RANGE], rates[BACKWARD_RANGE]
+
+
+def _device_copies(prof: profile) -> tuple[CopyRate, CopyRate]:
+    """Device memcpy records (bytes and duration) read from the exported trace."""
+    d2h, h2d = CopyRate(), CopyRate()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    for ev in trace.get("traceEvents", []):
+        name, nbytes = ev.get("name", ""), ev.get("args", {}).get("bytes", 0)
+        if ev.get("cat") != "gpu_memcpy" or nbytes < _MIN_COPY_BYTES:
+            continue
+        rate = d2h if "DtoH" in name else h2d if "HtoD" in name else None
+        if rate is not None:
+            rate.nbytes += nbytes
+            rate.seconds += ev.get("dur", 0) / 1e6
+    return d2h, h2d
+
+
+def _device_start(device: torch.device) -> int:
+    """Bytes allocated on ``device`` now; its peak counter restarts from here."""
+    if device.type == "cpu":
+        return 0
+    start = torch.accelerator.memory_allocated(device)
+    torch.accelerator.reset_peak_memory_stats(device)
+    return start
+
+
+def profile_step(device: torch.device, step: Callable[[], None]) -> StepProfile:
+    """Run ``step`` once under the profiler and return its memory curve and copies."""
+    synchronize(device)
+    start = _device_start(device)
+    with profile(activities=_activities(device), profile_memory=True, record_shapes=True) as prof:
+        step()
+        synchronize(device)
+    events = prof.profiler.kineto_results.events()
+    t0 = min((e.start_ns() for e in events if e.name() == FORWARD_RANGE), default=0)
+    times, values = _memory_curve(events, device, t0)
+    if device.type == "cpu":
+        d2h, h2d = _cpu_swap_copies(events)
+        peak, source = max(values), "CPU allocator bytes above step start (torch.profiler memory events)"
+    else:
+        d2h, h2d = _device_copies(prof)
+        peak = torch.accelerator.max_memory_allocated(device) - start
+        source = "torch.accelerator.max_memory_allocated above step start"
+    return StepProfile(peak, source, times, values, d2h, h2d)
+
+
+def _time_copies(copy_all: Callable[[], None], device: torch.device, nbytes: int, reps: int) -> float:
+    copy_all()  # warm-up
+    synchronize(device)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        copy_all()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def anchor_bandwidth(device: torch.device, chunk_bytes: int, chunks: int, reps: int = 5) -> tuple[float, float]:
+    """GB/s of a plain copy of ``chunks`` buffers of ``chunk_bytes`` each way (D2H, H2D).
+
+    On an accelerator: device buffers to pinned host buffers and back, one stream, no compute.
+    On CPU: a plain ``memcpy`` between two CPU buffers (there is no second memory).
+    """
+    pin = device.type != "cpu"
+    dev = [torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(chunks)]
+    host = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(chunks)]
+    total = chunk_bytes * chunks
+
+    def d2h() -> None:
+        for h, d in zip(host, dev):
+            h.copy_(d, non_blocking=pin)
+
+    def h2d() -> None:
+        for h, d in zip(host, dev):
+            d.copy_(h, non_blocking=pin)
+
+    return _time_copies(d2h, device, total, reps), _time_copies(h2d, device, total, reps)

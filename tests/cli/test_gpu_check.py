@@ -1,0 +1,35 @@
+"""``scripts/gpu_check.sh`` parses, and runs the stages the GPU check needs (dry run on CPU: slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def test_script_parses_and_runs_the_required_stages():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    assert "pytest -q -m accelerator" in text
+    assert 'PRESET="${GPU_CHECK_PRESET:-llama-8b-layer}"' in text
+    assert '--json "$OUT/$1.json"' in text and "timeout" in text
+    assert "pip install --no-deps --no-build-isolation -e ." in text
+
+
+@pytest.mark.slow
+def test_dry_run_writes_its_outputs_under_out(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_NO_INSTALL": "1", "GPU_CHECK_PRESET": "tiny",
+           "GPU_CHECK_BENCH_ARGS": "--layers 2 --seq 64 --steps 1 --warmup 1 --no-smart-rows"}
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "bench bench-tiny: ok" in summary and "bench bench-tiny-compile: ok" in summary
+    rows = {r["key"]: r for r in json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]}
+    assert rows["no_swap"]["status"] == "ok"
+    assert (tmp_path / "env.txt").read_text().startswith("torch ")
