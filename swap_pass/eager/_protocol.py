@@ -26,7 +26,10 @@ Note: [Group lifetime]
     gradient accumulation, partial backward and pipeline schedules); ``batch_stack`` stays the
     FIFO the prefetch walks. A ``weakref.finalize`` on the guard, which lives in the autograd
     graph, discards the group when the graph is freed without a backward (eval with grad,
-    dropped loss), so no entry or host byte outlives its graph.
+    dropped loss), so no entry or host byte outlives its graph. Once the guard has restored
+    its group it lets go of it (and detaches the finalizer): the guard itself lives until the
+    loss is dropped, and holding the group would keep every restored input alive to the end
+    of backward (tests/eager/test_backward_release.py).
 """
 
 from __future__ import annotations
@@ -61,20 +64,36 @@ class BackwardGuard:
         self.manager = manager
         self.group = group
         self.fired = False
+        self._finalizer = None
         if group is not None:
             setattr(group, _GUARDED_ATTR, True)
-            weakref.finalize(self, discard_if_pending, manager, group)
+            self._finalizer = weakref.finalize(self, discard_if_pending, manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.group is not None:
             self.manager.wait_swap_in(self.group)
             self.group.assert_on_device("BackwardGuard")
+            self._let_go()
         if not self.fired:
             self.fired = True
             prev = self.manager.previous
             if prev is not None and prev.prefetch_enabled:
                 prev.prefetch()
         return None
+
+    def _let_go(self) -> None:
+        """Drop our references to the restored group (see Note: [Group lifetime]).
+
+        The guard lives as long as the autograd graph (until the loss is dropped, after the
+        whole backward). Holding the group, or a finalizer holding it, would keep every restored
+        layer input alive to the end of backward: the peak would not fall as backward proceeds.
+        Once restored, the group is only autograd's to keep, and it frees each saved input after
+        its node ran.
+        """
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self.group = None
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
