@@ -70,10 +70,15 @@ class _ReleaseLayerInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.group is None:  # a second backward (retain_graph=True): already restored
+            return grad, None, None
         ctx.group.restore()  # see Note: [Restoring through autograd]
         earlier = ctx.earlier
         if earlier is not None and earlier.config.prefetch and earlier.stat == SwapState.HOST:
             earlier.swap_to_device()
+        # The node lives until the loss dies; holding the groups would keep every restored
+        # input alive to the end of backward instead of letting autograd free it.
+        ctx.group = ctx.earlier = None
         return grad, None, None
 
 

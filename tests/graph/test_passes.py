@@ -158,3 +158,27 @@ def test_graph_without_layers_warns_and_is_unchanged():
     with pytest.warns(UserWarning, match=r"swap_pass\.apply_swap_pass: found 0 layer"):
         assert apply_swap_pass(gm) is gm
     assert gm.code == code
+
+
+def test_restored_inputs_die_as_backward_proceeds():
+    """Once layer i's backward ran, its restored input must not be held to the end of the step."""
+    import weakref
+
+    ref = TraceableLlama(tiny_model(L))
+    gm = apply_swap_pass(trace(twin(ref), leaf_layers=True))
+    inputs, alive_at_layer1_grad = [], []
+
+    def probe(grad):  # layer 1's input gradient: layers 2 and 3 finished their backward
+        alive_at_layer1_grad.append(sum(r() is not None for r in inputs[2:]))
+
+    def hook(module, args):
+        inputs.append(weakref.ref(args[0]))
+        if len(inputs) == 2:
+            args[0].register_hook(probe)
+
+    for i in range(L):
+        gm.get_submodule(f"model.layers.{i}").register_forward_pre_hook(hook)
+    loss = gm(*ref.inputs())
+    assert swap_pass.swap_stats().swap_outs == L - 1
+    loss.backward()
+    assert alive_at_layer1_grad == [0]
