@@ -247,3 +247,27 @@ def test_host_cap_applies_to_the_compiled_path():
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with pytest.raises(swap_pass.HostMemoryError, match=r"max_host_bytes=1024 would be passed"):
         compiled(*batch(model))
+
+
+@pytest.mark.slow
+def test_inductor_caches_never_hand_back_an_unswapped_graph(tmp_path, monkeypatch):
+    """Plain inductor first, then swap_backend twice with caches on: the swap compile must not
+    hit the plain entry (its key carries the partitioner's uuid), and a hit of its own entry
+    (the second time) must still swap."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with inductor_config.patch(fx_graph_cache=True), \
+            functorch_config.patch(enable_autograd_cache=True):
+        _train(tiny_model(L, recompute=True), "inductor")
+        assert swap_pass.swap_stats().swap_outs == 0
+        for attempt in range(2):
+            swap_pass.reset()
+            backend = make_swap_backend()
+            _train(tiny_model(L, recompute=True), backend)
+            stats = swap_pass.swap_stats()
+            assert (stats.swap_outs, stats.swap_ins) == (L - 1, L - 1), attempt
+            assert stats.host_bytes_in_use == 0
+            # the first swap compile partitions; the second is a cache hit that still swaps
+            assert len(backend.partitions) == (1 if attempt == 0 else 0)
