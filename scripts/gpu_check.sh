@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_check.sh [WHEEL_DIR]
 #
-# WHEEL_DIR (or $WHEEL_DIR): a folder of wheels to install test dependencies from, offline.
+# WHEEL_DIR (or $WHEEL_DIR): a folder of wheels to install test dependencies from, offline;
+# scripts/fetch_test_wheels.sh fills one (run it where pip reaches PyPI).
 # Outputs go under $OUT when it is set, else ./gpu_check_out:
 #   env.txt, pytest-accelerator.txt, accelerator-junit.xml,
 #   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
@@ -39,7 +40,7 @@ if [ -n "${GPU_CHECK_NO_INSTALL:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   summary "install: skipped (GPU_CHECK_NO_INSTALL); using PYTHONPATH=$PWD"
 elif [ -n "$WHEELS" ]; then
-  python3 -m pip install --no-index --find-links "$WHEELS" pytest hypothesis matplotlib tqdm \
+  python3 -m pip install --no-index --find-links "$WHEELS" pytest pytest-timeout hypothesis \
     >> "$OUT/install.txt" 2>&1 || summary "install: some wheels from $WHEELS did not install (see install.txt)"
 fi
 if [ -z "${GPU_CHECK_NO_INSTALL:-}" ]; then
