@@ -200,11 +200,12 @@ def test_assert_on_device_catches_early_reader(device) -> None:
     group.assert_on_device("layer 3 recompute")
 
 
-def test_tensors_on_two_devices_refused() -> None:
+def test_meta_tensors_are_left_out_of_a_group() -> None:
     a = torch.randn(2)
     b = torch.randn(2, device="meta")
-    # meta tensors are not valid for swap, so only one device remains: accepted
-    assert SwapTensors([a, b]).device == torch.device("cpu")
+    group = SwapTensors([a, b])  # meta tensors hold no data: only the CPU tensor is swapped
+    assert group.device == torch.device("cpu")
+    assert len(group.tensors) == 1 and group.tensors[0] is a
 
 
 def test_in_place_write_during_d2h_detected(device) -> None:
