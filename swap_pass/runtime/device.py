@@ -24,7 +24,6 @@ __all__ = [
     "accelerator_type",
     "device_streams",
     "is_async_device",
-    "pinned_memory_available",
 ]
 
 _NPU_MODULE = "torch_npu"
@@ -56,11 +55,6 @@ def is_async_device(device: torch.device | str) -> bool:
     """True when ``device`` has streams and events, so copies can overlap compute."""
     dev = torch.device(device)
     return dev.type != "cpu" and dev.type != "meta" and torch.accelerator.is_available()
-
-
-def pinned_memory_available() -> bool:
-    """True when the machine has an accelerator whose allocator can pin host memory."""
-    return accelerator_type() != "cpu"
 
 
 # --- streams and events -----------------------------------------------------------------------
