@@ -13,6 +13,7 @@ from swap_pass.runtime.stats import SwapStats
 from swap_pass.runtime.swap_tensors import (
     SwapState,
     SwapTensors,
+    discard_groups_off_device,
     is_valid_for_swap,
     rearm_warnings,
 )
@@ -61,6 +62,7 @@ def reset() -> None:
     for fn in list(_reset_hooks):
         fn()
     SwapLayerInputManager.reset_all()
+    discard_groups_off_device()
     host_pool().clear()
     rearm_warnings()
     _stats.clear(keep_gauges=True)

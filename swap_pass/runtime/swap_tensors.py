@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -38,10 +39,13 @@ from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.host_pool import host_pool
 
-__all__ = ["SwapState", "SwapTensors", "is_valid_for_swap"]
+__all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap"]
 
 _DEFAULT_CONFIG = SwapConfig()
 _warned_keep_on_device = False
+# Groups holding host buffers, so that reset() reaches those no manager tracks; see
+# discard_groups_off_device().
+_holding_host_buffers: weakref.WeakSet[SwapTensors] = weakref.WeakSet()
 
 
 class SwapState(str, enum.Enum):
@@ -296,6 +300,7 @@ class SwapTensors:
         if not self._entries:
             return True
         pool, pin = host_pool(), self._pin()
+        _holding_host_buffers.add(self)
         try:
             for e in self._entries:
                 e.host = pool.acquire(e.nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
@@ -314,6 +319,7 @@ class SwapTensors:
             if e.host is not None:
                 pool.release(e.host)
                 e.host = None
+        _holding_host_buffers.discard(self)
 
     def _abandon_d2h(self) -> None:
         if self._event is not None:
@@ -337,6 +343,20 @@ class SwapTensors:
                         f"(version {v} -> {t._version}). A swapped tensor must not be written "
                         "between swap-out and swap-in; clone it before modifying it."
                     )
+
+
+def discard_groups_off_device() -> int:
+    """Discard every group that still holds host buffers; return how many there were.
+
+    Managers reach their own groups, but a group can outlive its step elsewhere: held by a
+    reference cycle (an exception's traceback, say) until the cyclic collector runs, or created
+    directly by a user. Its buffers stay in use until then, so :func:`swap_pass.reset` calls
+    this to make "reset" mean no host bytes in use, whenever the collector runs.
+    """
+    groups = list(_holding_host_buffers)
+    for group in groups:
+        group.discard()
+    return len(groups)
 
 
 def rearm_warnings() -> None:

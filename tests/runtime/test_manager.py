@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 import swap_pass
-from swap_pass import SwapLayerInputManager
+from swap_pass import SwapLayerInputManager, SwapTensors
 
 
 def test_registration_order_and_tags() -> None:
@@ -113,3 +115,31 @@ def test_reset_rearms_the_keep_on_device_warning() -> None:
         with pytest.warns(RuntimeWarning, match="keep_on_device"):
             swap_pass.SwapTensors([torch.randn(4)], config=cfg).swap_to_host()
         swap_pass.reset()
+
+
+def test_reset_releases_groups_outside_any_manager(device) -> None:
+    """A group kept alive by a reference cycle (e.g. a traceback) still gives its host bytes back.
+
+    The cyclic collector runs when it likes; until then the group is alive and its buffer in use,
+    so ``reset()`` must reach it directly or the next run starts with host bytes counted.
+    """
+    gc.disable()
+    try:
+        for state in ("d2h", "host", "h2d"):
+            group = SwapTensors([torch.randn(64, device=device)])
+            group.swap_to_host()
+            if state != "d2h":
+                group.wait_d2h()
+            if state == "h2d":
+                group.swap_to_device()
+            group.cycle = group  # only the cyclic collector could free it
+        del group
+        assert swap_pass.swap_stats().host_bytes_in_use == 3 * 256
+        swap_pass.reset()
+        s = swap_pass.swap_stats()
+        assert s.host_bytes_in_use == 0 and s.host_bytes_reserved == 0
+        assert s.device_bytes_released == 0
+    finally:
+        gc.enable()
+        gc.collect()
+    assert swap_pass.swap_stats().host_bytes_in_use == 0, "the finalizer must not release twice"
