@@ -5,13 +5,14 @@ Per saved tensor (pack)::
     poll: any storage that only our aliases still hold -> SwapTensors(aliases).swap_to_host()
           (+ wait_d2h(): at once on CPU, at the next poll on an accelerator) -> storage freed
     key = (op, module call site, dtype, shape, model state)
-    planned step: match key to the policy (window search from a cursor) -> swap tag or unmatched
+    planned step: match key to the policy (window search from a cursor) -> swap or keep (tracked,
+          so that a fallback can still move it; see Note: [Falling back mid-step])
     conservative step (warmup, gen_policy, or too many misses): every eligible activation
     -> handle(alias over the same storage) or the tensor itself (unmatched, state, not swappable)
 
 Per unpack: restore the storage from any state (``group.restore()``), assert it is on the device,
-then start the copies back of the storages the plan prefetches at this point. An unmatched
-tensor was never moved, so a wrong match can cost memory or a stall, never data.
+then start the copies back of the storages the plan prefetches at this point. Every moved
+storage is restored before it is read, so a wrong match can cost memory or a stall, never data.
 
 # Note: [When a saved tensor may leave]
 # Eager mode gives no op ids, so "after its last forward use" is read from reference counts:
@@ -219,6 +220,7 @@ class SmartExecutor:
         self._pending: list[weakref.ref] = []  # slots waiting for their last holder to let go
         self._inflight: list[_Slot] = []  # swap_to_host issued, wait_d2h not yet (accelerators)
         self._released: list[weakref.ref] = []  # swapped slots in release order
+        self._kept: list[weakref.ref] = []  # tracked slots a planned step keeps on the device
         self._t_transfer = 0.0
         self._n_storages = 0
         self._miss_streak = 0
@@ -280,17 +282,43 @@ class SmartExecutor:
         j = self.matcher.match(key)
         if not is_state:  # model state matches whatever the activations do: it proves nothing
             self._miss_streak = 0 if j is not None else self._miss_streak + 1
+        # Kept activations are tracked too (not swapped), so that a fallback can still move them.
+        keepable = not is_state and is_valid_for_swap(t) and storage.nbytes() >= max(self.min_swap_bytes, 1)
         if j is None:
             self.report.unmatched += 1
             if self._miss_streak >= self.miss_limit:
-                self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
-            return t
+                self._fall_back()
+            if not keepable:
+                return t
+            swap = self.mode == ExecMode.CONSERVATIVE  # this very tensor, after a fallback
+            return self._track(t, storage, swap, len(self.report.keys) - 1, planned=False)
         self.report.matched += 1
-        if not self.policy.entries[j].swap or is_state or not is_valid_for_swap(t):
-            return _Handle(None, t, j, planned=True)
+        if not self.policy.entries[j].swap or not keepable:
+            return self._track(t, storage, False, j) if keepable else _Handle(None, t, j, planned=True)
         return self._track(t, storage, True, j)
 
-    def _track(self, t: torch.Tensor, storage, swap: bool, index: int) -> _Handle:
+    def _fall_back(self) -> None:
+        """Turn conservative for the rest of the step, and swap what the plan kept so far.
+
+        Note: [Falling back mid-step]
+        A planned step whose sequence changed keeps what the old plan kept (and every unmatched
+        tensor) until ``miss_limit`` misses in a row. Those tensors are tracked, not swapped;
+        here they become swappable and go back to the pending list, so they leave as soon as
+        nothing but autograd holds them, exactly as in a conservative step. Without this the
+        change step kept them all and passed the budget (by 21% on the CPU model, 12 -> 24
+        tokens); see tests/smart/test_smart_swap.py.
+        """
+        self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
+        pending = {id(ref()) for ref in self._pending}
+        for ref in self._kept:
+            slot = ref()
+            if slot is not None and slot.group is None and not slot.swap:
+                slot.swap = True
+                if id(slot) not in pending:
+                    self._pending.append(ref)
+        self._kept = []
+
+    def _track(self, t: torch.Tensor, storage, swap: bool, index: int, planned: bool | None = None) -> _Handle:
         ref = self._slots.get(storage._cdata)
         slot = ref() if ref is not None else None
         if slot is None or slot.group is not None:
@@ -298,9 +326,12 @@ class SmartExecutor:
         slot.swap = slot.swap or swap
         alias = _alias(t)
         slot.aliases.append(alias)
-        planned = self.mode == ExecMode.PLANNED
+        if planned is None:
+            planned = self.mode == ExecMode.PLANNED
         if planned:
             self._by_index[index] = weakref.ref(slot)
+        if self.mode == ExecMode.PLANNED and not slot.swap:
+            self._kept.append(weakref.ref(slot))
         return _Handle(slot, alias, index, planned)
 
     def _new_slot(self, storage, swap: bool) -> _Slot:
