@@ -248,7 +248,7 @@ class SmartExecutor:
         keep = []
         for ref in self._pending:
             slot = ref()
-            if slot is None:
+            if slot is None or slot.group is not None:
                 continue
             if slot.releasable():
                 self._release(slot)
@@ -282,20 +282,24 @@ class SmartExecutor:
         j = self.matcher.match(key)
         if not is_state:  # model state matches whatever the activations do: it proves nothing
             self._miss_streak = 0 if j is not None else self._miss_streak + 1
-        # Kept activations are tracked too (not swapped), so that a fallback can still move them.
-        keepable = not is_state and is_valid_for_swap(t) and storage.nbytes() >= max(self.min_swap_bytes, 1)
         if j is None:
             self.report.unmatched += 1
             if self._miss_streak >= self.miss_limit:
                 self._fall_back()
-            if not keepable:
-                return t
-            swap = self.mode == ExecMode.CONSERVATIVE  # this very tensor, after a fallback
-            return self._track(t, storage, swap, len(self.report.keys) - 1, planned=False)
-        self.report.matched += 1
-        if not self.policy.entries[j].swap or not keepable:
-            return self._track(t, storage, False, j) if keepable else _Handle(None, t, j, planned=True)
-        return self._track(t, storage, True, j)
+        else:
+            self.report.matched += 1
+        untracked = t if j is None else _Handle(None, t, j, planned=True)
+        if is_state or not is_valid_for_swap(t):
+            return untracked
+        big = storage.nbytes() >= max(self.min_swap_bytes, 1)
+        if j is None:  # after a fallback (maybe this very miss) it is swapped like any other
+            swap = big and self.mode == ExecMode.CONSERVATIVE
+        else:
+            swap = self.policy.entries[j].swap
+        if not (swap or big):  # never worth moving: not worth tracking either
+            return untracked
+        index = j if j is not None else len(self.report.keys) - 1
+        return self._track(t, storage, swap, index, planned=j is not None)
 
     def _fall_back(self) -> None:
         """Turn conservative for the rest of the step, and swap what the plan kept so far.
@@ -309,16 +313,14 @@ class SmartExecutor:
         tokens); see tests/smart/test_smart_swap.py.
         """
         self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
-        pending = {id(ref()) for ref in self._pending}
         for ref in self._kept:
             slot = ref()
-            if slot is not None and slot.group is None and not slot.swap:
+            if slot is not None:
                 slot.swap = True
-                if id(slot) not in pending:
-                    self._pending.append(ref)
+        self._pending += self._kept  # poll() skips slots already moved
         self._kept = []
 
-    def _track(self, t: torch.Tensor, storage, swap: bool, index: int, planned: bool | None = None) -> _Handle:
+    def _track(self, t: torch.Tensor, storage, swap: bool, index: int, planned: bool = False) -> _Handle:
         ref = self._slots.get(storage._cdata)
         slot = ref() if ref is not None else None
         if slot is None or slot.group is not None:
@@ -326,8 +328,6 @@ class SmartExecutor:
         slot.swap = slot.swap or swap
         alias = _alias(t)
         slot.aliases.append(alias)
-        if planned is None:
-            planned = self.mode == ExecMode.PLANNED
         if planned:
             self._by_index[index] = weakref.ref(slot)
         if self.mode == ExecMode.PLANNED and not slot.swap:
