@@ -82,7 +82,7 @@ def _row_text(row: dict) -> dict:
     return {"label": str(row.get("name", "")), "value": text, "data": row}
 
 
-def smart_extra_rows(overhead_steps: int = 60) -> dict:
+def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384) -> dict:
     """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget.
 
     # Note: [SmartSwap bench rows]
@@ -92,6 +92,9 @@ def smart_extra_rows(overhead_steps: int = 60) -> dict:
 
     Args:
         overhead_steps: Timed steps per profiler variant. Default: ``60``.
+        change_seq: Sequence length the budget rows switch to after their stable steps (the
+            change step's peak against the budget in force); None for no change. Default:
+            ``384`` (from 256).
     """
     try:
         overhead = require("swap_pass.smart.bench", "profiler_overhead_rows")
@@ -100,7 +103,8 @@ def smart_extra_rows(overhead_steps: int = 60) -> dict:
         return {"status": "skipped", "reason": str(why), "rows": []}
     rows = [{**_row_text(r), "label": f"profiler overhead: {r.get('name', '')}"}
             for r in overhead(steps=overhead_steps)]
-    rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"} for r in budget()]
+    rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"}
+             for r in budget(change_seq=change_seq)]
     return {"status": "ok", "reason": "", "rows": rows}
 
 

@@ -177,13 +177,21 @@ def _null_ctx():
 
 
 def budget_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2, seq: int = 256,
-                fraction: float = 0.25, steps: int = 5, seed: int = 0) -> list[dict]:
+                fraction: float = 0.25, steps: int = 5, seed: int = 0,
+                change_seq: int | None = None, change_steps: int = 2) -> list[dict]:
     """Peak resident saved bytes under SmartSwap against a budget of ``fraction`` x the unswapped peak.
 
+    Args:
+        change_seq: When given, ``change_steps`` more steps run at this sequence length after
+            the ``steps`` at ``seq``: the first is the change step (old plan, fallback), the
+            next re-profiles. The budget (bytes) stays the one set from ``seq``.
+            Default: ``None``.
+        change_steps: Steps at ``change_seq``. Default: ``2``.
+
     Returns:
-        One row per step: ``step``, ``stage``, ``peak_bytes`` (independent counter),
-        ``budget_bytes``, ``within_budget``, ``swapped_bytes``, ``step_ms``; and a first row
-        ``name="no swap"`` with the unswapped peak.
+        One row per step: ``step``, ``seq``, ``stage``, ``fell_back``, ``peak_bytes``
+        (independent counter), ``budget_bytes``, ``within_budget``, ``swapped_bytes``,
+        ``step_ms``; and a first row ``name="no swap"`` with the unswapped peak.
     """
     torch.manual_seed(seed)
     model = LlamaStyleModel(cfg)
@@ -194,15 +202,20 @@ def budget_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2, seq: int = 2
     peak0 = counter.peak
     budget = int(fraction * peak0)
     rows = [{"name": "no swap", "peak_bytes": peak0}]
+    schedule = [(seq, data)] * steps
+    if change_seq is not None:
+        schedule += [(change_seq, make_batch(cfg, batch, change_seq, seed=seed))] * change_steps
     with SmartSwap(model, memory_budget=budget) as smart:
-        for step in range(steps):
+        for step, (n, batch_data) in enumerate(schedule):
             stage = smart.stage.value
             t0 = now()
             with ResidentSavedBytes(model) as counter:
-                _train_step(model, data)
+                _train_step(model, batch_data)
             smart.step()
-            rows.append({"name": "smartswap", "step": step, "stage": stage, "peak_bytes": counter.peak,
+            report = smart.last_report
+            rows.append({"name": "smartswap", "step": step, "seq": n, "stage": stage,
+                         "fell_back": report.fell_back, "peak_bytes": counter.peak,
                          "budget_bytes": budget, "within_budget": counter.peak <= budget,
-                         "swapped_bytes": smart.last_report.swapped_bytes,
+                         "swapped_bytes": report.swapped_bytes,
                          "step_ms": round((now() - t0) * 1e3, 3)})
     return rows

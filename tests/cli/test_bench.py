@@ -187,3 +187,8 @@ def test_smartswap_extra_rows_or_their_skip_reason():
     labels = [r["label"] for r in extra["rows"]]
     assert any(label.startswith("profiler overhead: ") for label in labels)
     assert any(label.startswith("budget: ") for label in labels)
+    change, reprofile = [r["data"] for r in extra["rows"] if r["label"] == "budget: smartswap"][-2:]
+    assert change["seq"] == reprofile["seq"] == 384 and change["stage"] == "stable"
+    # The change step falls back and then peaks where a conservative step does, within budget.
+    assert change["fell_back"] and change["within_budget"]
+    assert change["peak_bytes"] == reprofile["peak_bytes"]
