@@ -37,6 +37,7 @@ from swap_pass.config import OnHostExhausted, SwapConfig
 from swap_pass.runtime import stats
 from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
+from swap_pass.runtime.freed_guard import guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
 
 __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap"]
@@ -193,6 +194,7 @@ class SwapTensors:
             self._event = None
             for e in self._entries:
                 e.storage.resize_(0)
+            guard_freed(self._freed_tensors(), self.name or "a swap group")
             stats.record(device_bytes_released=self.nbytes)
         self.stat = SwapState.HOST
 
@@ -201,6 +203,7 @@ class SwapTensors:
         self._expect(SwapState.HOST, "SwapTensors.swap_to_device")
         if not self.kept_on_device and self._entries:
             ds = self._streams()
+            unguard(self._freed_tensors())
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
             stats.record(device_bytes_released=-self.nbytes)
@@ -239,8 +242,9 @@ class SwapTensors:
     def discard(self) -> None:
         """Release host buffers without restoring: for groups nobody will read again.
 
-        Storages already freed stay freed (their tensors can no longer be read); a group still
-        in "d2h" keeps its device data. The group ends in state "device", empty.
+        Storages already freed stay freed (reading their tensors raises ``SwapDataError``; see
+        Note: [Guarding freed tensors]); a group still in "d2h" keeps its device data. The group
+        ends in state "device", empty.
         """
         if self.stat == SwapState.D2H:
             self._abandon_d2h()
@@ -328,6 +332,9 @@ class SwapTensors:
         self._release_host_buffers()
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
+
+    def _freed_tensors(self) -> Iterable[torch.Tensor]:
+        return (t for e in self._entries for t in e.tensors)
 
     def _snapshot_versions(self) -> None:
         for e in self._entries:

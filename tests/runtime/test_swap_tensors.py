@@ -8,6 +8,7 @@ import torch
 import swap_pass
 from swap_pass import SwapConfig, SwapStateError, SwapTensors, is_valid_for_swap
 from swap_pass.runtime import host_pool
+from swap_pass.runtime.freed_guard import is_guarded
 
 STATES = ["device", "d2h", "host", "h2d"]
 TRANSITIONS = {  # method -> the only state it may be called in
@@ -215,6 +216,47 @@ def test_in_place_write_during_d2h_detected(device) -> None:
     t.add_(1)
     with pytest.raises(swap_pass.SwapDataError, match="layers.3"):
         group.wait_d2h()
+
+
+def test_freed_tensors_are_guarded_from_wait_d2h_to_swap_to_device(device) -> None:
+    # Only calls that cannot touch freed data run here; data reads and writes of guarded
+    # tensors are in tests/reliability/test_freed_guard.py, in child processes.
+    base = torch.randn(64, device=device)
+    view = base[8:]
+    small = torch.randn(4, device=device)  # below min_swap_bytes: never freed, never guarded
+    group = SwapTensors([base, view, small], name="layers[3]", config=SwapConfig(min_swap_bytes=64))
+    group.swap_to_host()
+    assert not is_guarded(base), "data is still on the device while the copy runs"
+    group.wait_d2h()
+    assert is_guarded(base) and is_guarded(view) and not is_guarded(small)
+    assert (base.shape, view.storage_offset(), base._version, base.untyped_storage().nbytes()) == (
+        (64,), 8, 0, 0)
+    assert repr(base) == f"tensor(<swapped out by swap_pass: layers[3]>, size=(64,), dtype=torch.float32, device='{device}')"
+    with pytest.raises(swap_pass.SwapDataError, match=r"Tensor\.data \(get\) was called on a tensor of layers\[3\]"):
+        base.data  # an alias over the freed storage would crash its first reader
+    group.swap_to_device()
+    assert type(base) is torch.Tensor and type(view) is torch.Tensor
+    group.wait_h2d()
+    assert not hasattr(base, "_swap_pass_swapped_out")
+
+
+def test_discarded_host_group_stays_guarded(device) -> None:
+    t = torch.randn(64, device=device)
+    group = SwapTensors([t])
+    group.swap_to_host()
+    group.wait_d2h()
+    group.discard()  # nobody will restore it: its storage stays freed, so it stays guarded
+    assert is_guarded(t) and t.untyped_storage().nbytes() == 0
+
+
+def test_kept_on_device_is_never_guarded(device) -> None:
+    kept = torch.randn(64, device=device)
+    cfg = SwapConfig(max_host_bytes=0, on_host_exhausted="keep_on_device")
+    with pytest.warns(RuntimeWarning, match="keep_on_device"):
+        group = SwapTensors([kept], config=cfg)
+        group.swap_to_host()
+    group.wait_d2h()
+    assert group.kept_on_device and not is_guarded(kept) and torch.equal(kept, kept.clone())
 
 
 @pytest.mark.parametrize("state", ["d2h", "host", "h2d"])

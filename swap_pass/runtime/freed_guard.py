@@ -1,0 +1,119 @@
+"""A clear error, instead of a crash, for touching a tensor whose device storage is swapped out.
+
+Note: [Guarding freed tensors]
+Between ``wait_d2h`` (storage resized to zero bytes) and ``swap_to_device`` (resized back), a
+swapped tensor keeps its sizes and strides over an empty storage. A kernel that reads or writes
+it runs off the end of the allocation: SIGSEGV on CPU, an illegal address on an accelerator,
+before any check of ours could run. Autograd's saved references, views and the user's own
+variable are the *same* ``TensorImpl``, so the data cannot be hidden from them, but Python code
+reaches the tensor through its one preserved Python object, whose class can change. While the
+storage is freed the object's class is :class:`_SwappedOut`, a ``torch.Tensor`` subclass whose
+``__torch_function__`` lets metadata through (shape, dtype, grad_fn, ``_version``, the storage
+object, autograd hooks) and raises :class:`~swap_pass.SwapDataError` naming the group for
+anything that could touch the data. Restoring sets the class back before the storage returns.
+
+What it does not cover: C++ readers (autograd's own kernels; they only run after the backward
+guard restored the data), code run under ``torch._C.DisableTorchFunction*``, and other Python
+objects over the same storage made before the swap (a ``.detach()`` or view taken earlier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from swap_pass.runtime.errors import SwapDataError
+
+__all__ = ["guard_freed", "is_guarded", "unguard"]
+
+_WHERE = "_swap_pass_swapped_out"  # attribute naming the group, on a guarded tensor
+
+# Reading these touches no element of the tensor.
+_METADATA_METHODS = frozenset({
+    torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.ndimension,
+    torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.storage_offset,
+    torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.element_size,
+    torch.Tensor.is_contiguous, torch.Tensor.get_device, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.requires_grad_,
+    torch.Tensor.retain_grad, torch.Tensor.register_hook, torch.Tensor.__len__,
+    torch.Tensor.__hash__,
+    # Backward itself: it runs the layers' backward guards, which restore the data first.
+    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
+})
+_METADATA_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "layout", "ndim", "names", "requires_grad", "grad_fn", "is_leaf",
+    "grad", "retains_grad", "_version", "_base", "output_nr", "_cdata", "itemsize", "nbytes",
+    "is_cpu", "is_cuda", "is_xpu", "is_mps", "is_meta", "is_sparse", "is_quantized",
+    "is_mkldnn", "is_nested", "name", "_backward_hooks", "_post_accumulate_grad_hooks",
+})
+_SETTABLE_ATTRIBUTES = frozenset({"requires_grad", "grad", "retains_grad", "name",
+                                  "_backward_hooks", "_post_accumulate_grad_hooks"})
+
+
+def _describe(func) -> tuple[str, bool]:
+    """``func``'s name, and whether it only touches metadata."""
+    if getattr(func, "__name__", None) in ("__get__", "__set__"):  # a property of the tensor
+        attribute = getattr(func.__self__, "__name__", "?")
+        allowed = _SETTABLE_ATTRIBUTES if func.__name__ == "__set__" else _METADATA_ATTRIBUTES
+        return f"Tensor.{attribute} ({func.__name__.strip('_')})", attribute in allowed
+    try:
+        allowed = func in _METADATA_METHODS
+    except TypeError:  # unhashable callable
+        allowed = False
+    name = getattr(func, "__qualname__", None) or repr(func)
+    return name.replace("TensorBase.", "Tensor.", 1), allowed
+
+
+class _SwappedOut(torch.Tensor):
+    """The class of a tensor while its device storage is freed (see Note: [Guarding freed tensors])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
+            return _repr(args[0])
+        name, allowed = _describe(func)
+        if allowed:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        guarded = next(t for t in tree_leaves((args, kwargs)) if is_guarded(t))
+        raise SwapDataError(
+            f"swap_pass.SwapTensors: {name} was called on a tensor of {getattr(guarded, _WHERE)} "
+            f"(shape {tuple(guarded.shape)}, {guarded.dtype}) while its data is swapped out to "
+            "host memory and its device storage is freed. A swapped tensor can be read again "
+            "only after backward swapped it back in; clone it before the layer that swaps it "
+            "out runs if it is needed earlier (e.g. HF output_hidden_states)."
+        )
+
+
+def _repr(t: torch.Tensor) -> str:
+    return (f"tensor(<swapped out by swap_pass: {getattr(t, _WHERE)}>, size={tuple(t.shape)}, "
+            f"dtype={t.dtype}, device='{t.device}')")
+
+
+def is_guarded(obj: object) -> bool:
+    """True for a tensor whose device storage is freed by a swap."""
+    return type(obj) is _SwappedOut
+
+
+def guard_freed(tensors: Iterable[torch.Tensor], where: str) -> None:
+    """Make Python-level reads and writes of ``tensors`` raise :class:`SwapDataError`.
+
+    Args:
+        tensors: Plain ``torch.Tensor`` objects whose storage was just freed.
+        where: The group's name, shown in the error.
+    """
+    for t in tensors:
+        if type(t) is torch.Tensor:
+            t.__class__ = _SwappedOut
+            setattr(t, _WHERE, where)
+
+
+def unguard(tensors: Iterable[torch.Tensor]) -> None:
+    """Undo :func:`guard_freed` (before the storage is given back its bytes)."""
+    for t in tensors:
+        if type(t) is _SwappedOut:
+            t.__class__ = torch.Tensor
+            delattr(t, _WHERE)
