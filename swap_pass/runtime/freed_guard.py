@@ -37,8 +37,9 @@ _METADATA_METHODS = frozenset({
     torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.element_size,
     torch.Tensor.is_contiguous, torch.Tensor.get_device, torch.Tensor.is_floating_point,
     torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.requires_grad_,
-    torch.Tensor.retain_grad, torch.Tensor.register_hook, torch.Tensor.__len__,
-    torch.Tensor.__hash__,
+    torch.Tensor.retain_grad, torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.is_pinned,
+    torch.Tensor.is_inference, torch.Tensor._is_view, torch.Tensor.__len__, torch.Tensor.__hash__,
     # Backward itself: it runs the layers' backward guards, which restore the data first.
     torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
 })
