@@ -133,6 +133,13 @@ def test_skip_reasons_name_what_is_missing():
         require("no_such_peer_lib.training", "OffloadActivations")
 
 
+def test_torchtune_row_on_cpu_is_skipped_as_cuda_only():
+    # torchtune 0.6.1's OffloadActivations calls torch.cuda.default_stream() whatever its flags.
+    torchtune = next(m for m in METHODS if m.key == "torchtune")
+    row = run_method(torchtune, SMALL, BenchContext(CPU))
+    assert row.status == "skipped" and "CUDA-only" in row.reason and "device is cpu" in row.reason
+
+
 def test_a_failing_method_is_a_row_not_a_crash():
     def broken(model, ctx):
         raise RuntimeError("boom")
