@@ -144,7 +144,12 @@ class LlamaStyleModel(nn.Module):
 
 def make_batch(cfg: LlamaConfig, batch: int, seq: int, *, seed: int = 0,
                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and next-token labels, reproducible from ``seed``."""
+    """Random token ids and next-token labels, reproducible from ``seed``; both contiguous.
+
+    Contiguous like a data loader's batches: ``torch.distributed.pipelining`` in torch 2.11
+    checks micro-batch strides against its shape inference and refuses the (seq + 1)-strided
+    slices of one token tensor.
+    """
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
