@@ -179,10 +179,19 @@ def _entering(inputs: list[fx.Node], prev: str | None, owner: dict[fx.Node, str 
     if from_prev:
         return max(from_prev, key=order.__getitem__)
     free = [n for n in inputs if owner.get(n) is None and _shape_key(n) is not None
-            and not n.meta.get("autograd_backward")]
+            and not _computed_in_backward(n)]
     if shape is not None:
         free = [n for n in free if _shape_key(n) == shape]
     return free[0] if free else None
+
+
+def _computed_in_backward(node: fx.Node) -> bool:
+    """A gradient (e.g. the residual stream's accumulated grad), never a saved layer input.
+
+    torch 2.13 marks backward nodes of AOT graphs ``autograd_backward``; torch 2.11 does not, but
+    both tag them ``partitioner_tag="is_backward"``.
+    """
+    return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
 
 
 def _stream_shape(found: list, owner: dict[fx.Node, str | None]) -> str | None:
