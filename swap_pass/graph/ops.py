@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from typing import List  # noqa: UP035: torch 2.6's custom_op schema inference knows List[int], not list[int]
 
 import torch
 from torch.fx.node import has_side_effect
@@ -198,7 +199,7 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
 
 
 @torch.library.custom_op("swap_pass::prefetch", mutates_args=())
-def prefetch(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+def prefetch(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
              use_streams: bool = True) -> torch.Tensor:
     """Start copying ``host`` back to ``device`` on the host-to-device stream.
 
@@ -215,7 +216,7 @@ def _(host, device, size, stride, use_streams=True):
 
 
 @torch.library.custom_op("swap_pass::swap_in", mutates_args=())
-def swap_in(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
+def swap_in(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
             use_streams: bool = True) -> torch.Tensor:
     """Copy ``host`` back to ``device`` and wait for it: ``prefetch`` and ``wait`` in one."""
     out = _start_h2d(host, device, size, stride, use_streams)
