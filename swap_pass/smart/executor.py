@@ -50,6 +50,16 @@ __all__ = ["ExecMode", "OnlineMatcher", "SmartExecutor", "StepReport", "measure_
 _use_count = torch._C._storage_Use_Count
 
 
+def _storage_use_count(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+# What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
+# made by untyped_storage() counts), 1 on torch 2.6. Measured once, so "nobody but our aliases"
+# holds on every release; taking 2.13's figure on 2.6 freed storages still in use (segfault).
+_ONE_HOLDER = _storage_use_count(torch.empty(1))
+
+
 class ExecMode(str, enum.Enum):
     """How the executor decides per saved tensor."""
 
@@ -134,7 +144,7 @@ class _Slot:
 
     def releasable(self) -> bool:
         """True when nothing but our aliases holds the storage (see Note: [When a saved tensor may leave])."""
-        return _use_count(self.aliases[0].untyped_storage()._cdata) - 1 == len(self.aliases)
+        return _storage_use_count(self.aliases[0]) - (_ONE_HOLDER - 1) == len(self.aliases)
 
 
 class _Handle:
