@@ -3,10 +3,11 @@
 #
 #   scripts/test_torch_version.sh 2.11.0 [VENV_DIR] [pytest args...]
 #
-# CI runs torch 2.13.0 only (the README's command). The GPU check box has torch 2.11, and
-# pyproject accepts torch>=2.6, so run this before relying on another release: torch 2.11
-# (its CUDA wheel imports on a CPU-only machine) found three incompatibilities on 2026-11-29
-# (docs/results.md). The venv is reused when it exists.
+# CI runs torch 2.13.0 only (the README's command); the GPU check box has torch 2.11, the
+# floor in pyproject. Run this before relying on another release: torch 2.11 (its CUDA wheel
+# imports on a CPU-only machine) found three incompatibilities on 2026-11-29, torch 2.6 many
+# more (docs/results.md), which is why the floor is 2.11 (swap_pass refuses to import below it).
+# The venv is reused when it exists.
 set -euo pipefail
 version="${1:?usage: $0 TORCH_VERSION [VENV_DIR] [pytest args...]}"
 venv="${2:-/tmp/swap_pass-torch-$version}"

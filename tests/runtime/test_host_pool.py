@@ -79,8 +79,9 @@ def test_config_is_frozen_and_enum_valued() -> None:
 
 
 def test_old_torch_refused_at_import() -> None:
-    with pytest.raises(ImportError, match=r"torch 2\.4\.1 is installed.*torch>=2\.6"):
-        check_torch_version("2.4.1")
+    with pytest.raises(ImportError, match=r"torch 2\.6\.0 is installed.*torch>=2\.11"):
+        check_torch_version("2.6.0")
+    check_torch_version("2.11.0")
     check_torch_version("2.13.0+cpu")
 
 
