@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,9 @@ import swap_pass
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-LIMIT_S = 60  # each example must finish within this on 2 CPU cores
+# Times are measured, not asserted (docs/results.md, "Examples"): under load a wall-time bound
+# fails for the wrong reason. The timeout only turns a hang into a failure.
+HANG_S = 280  # below pytest-timeout (300 s), so the message names the subprocess
 
 CASES = [
     pytest.param("00_runtime.py", [], id="runtime"),
@@ -38,10 +39,7 @@ def _skip_unless_available(names: list[str]) -> None:
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * LIMIT_S)
-    proc.elapsed = time.perf_counter() - start
-    return proc
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
 
 
 def test_every_example_has_a_test():
@@ -55,7 +53,6 @@ def test_example_runs(script, needs):
     proc = _run([sys.executable, str(EXAMPLES / script)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK:" in proc.stdout.splitlines()[-1], proc.stdout
-    assert proc.elapsed < LIMIT_S, f"{script} took {proc.elapsed:.1f} s"
 
 
 @pytest.mark.slow
@@ -67,4 +64,3 @@ def test_pipeline_example_under_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: 1F1B with swap matches 1F1B without swap" in proc.stdout, proc.stdout
     assert proc.stdout.count("gradients bitwise equal: True") == 2, proc.stdout
-    assert proc.elapsed < LIMIT_S, f"took {proc.elapsed:.1f} s"
