@@ -191,7 +191,8 @@ def _computed_in_backward(node: fx.Node) -> bool:
     torch 2.13 marks backward nodes of AOT graphs ``autograd_backward``; torch 2.11 does not, but
     both tag them ``partitioner_tag="is_backward"``.
     """
-    return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
+    meta = node.meta
+    return bool(meta.get("autograd_backward")) or meta.get("partitioner_tag") == "is_backward"
 
 
 def _stream_shape(found: list, owner: dict[fx.Node, str | None]) -> str | None:

@@ -33,7 +33,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import List  # noqa: UP035: torch 2.6's custom_op schema inference knows List[int], not list[int]
+# The ops' signatures say List[int]: some torch releases' custom_op schema inference (2.6)
+# read typing.List[int] but not list[int].
+from typing import List  # noqa: UP035
 
 import torch
 from torch.fx.node import has_side_effect
