@@ -79,10 +79,11 @@ class _SwappedOut(torch.Tensor):
         if allowed:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        guarded = next(t for t in tree_leaves((args, kwargs)) if is_guarded(t))
+        guarded = next((t for t in tree_leaves((args, kwargs)) if is_guarded(t)), None)
+        what = ("a swapped tensor" if guarded is None else
+                f"a tensor of {getattr(guarded, _WHERE)} (shape {tuple(guarded.shape)}, {guarded.dtype})")
         raise SwapDataError(
-            f"swap_pass.SwapTensors: {name} was called on a tensor of {getattr(guarded, _WHERE)} "
-            f"(shape {tuple(guarded.shape)}, {guarded.dtype}) while its data is swapped out to "
+            f"swap_pass.SwapTensors: {name} was called on {what} while its data is swapped out to "
             "host memory and its device storage is freed. A swapped tensor can be read again "
             "only after backward swapped it back in; clone it before the layer that swaps it "
             "out runs if it is needed earlier (e.g. HF output_hidden_states)."
