@@ -127,6 +127,18 @@ def _compile_aot(gm, example_inputs, partition: Callable, fw: Callable, bw: Call
                         keep_inference_input_mutations=True, **kwargs)(gm, example_inputs)
 
 
+def _boxed(compiler: Callable) -> Callable:
+    """``compiler`` with its result boxed, unless it is already (AOTAutograd accepts both)."""
+
+    def boxed(gm: fx.GraphModule, example_inputs):
+        from functorch.compile import make_boxed_func
+
+        compiled = compiler(gm, example_inputs)
+        return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+
+    return boxed
+
+
 def _npu_compiler() -> Callable:
     try:
         import torch_npu  # noqa: F401
@@ -159,7 +171,8 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     Args:
         inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``,
             ``"npu"`` (torchair's compiler; needs ``torch_npu`` and ``torchair``), or a callable
-            ``(gm, example_inputs) -> callable`` used for both forward and backward.
+            ``(gm, example_inputs) -> callable`` used for both forward and backward; it may
+            return a plain function or a boxed one (``make_boxed_func``), as AOTAutograd allows.
             Default: ``"inductor"``.
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
@@ -189,9 +202,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             from torch._dynamo.backends.debugging import boxed_nop
 
             return _compile_aot(gm, example_inputs, partition, boxed_nop, boxed_nop)
-        from functorch.compile import make_boxed_compiler
-
-        compiler = npu if npu is not None else make_boxed_compiler(inner)
+        compiler = npu if npu is not None else _boxed(inner)
         return _compile_aot(gm, example_inputs, partition, compiler, compiler)
 
     backend.partitions = record

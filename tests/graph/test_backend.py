@@ -271,3 +271,16 @@ def test_inductor_caches_never_hand_back_an_unswapped_graph(tmp_path, monkeypatc
             assert stats.host_bytes_in_use == 0
             # the first swap compile partitions; the second is a cache hit that still swaps
             assert len(backend.partitions) == (1 if attempt == 0 else 0)
+
+
+@pytest.mark.parametrize("boxed", [True, False], ids=["boxed", "unboxed"])
+def test_callable_inner_may_return_boxed_or_plain_functions(boxed):
+    from functorch.compile import make_boxed_func
+
+    def inner(gm, example_inputs):
+        return make_boxed_func(gm.forward) if boxed else gm.forward
+
+    backend = make_swap_backend(inner)
+    _, _, grads = _train(tiny_model(L, recompute=True), backend)
+    assert _targets(backend.partitions[-1].forward).count(OPS.swap_out.default) == L - 1
+    _assert_like_aot_eager(grads)
