@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["OnHostExhausted", "SwapConfig"]
+__all__ = ["OnHostExhausted", "SwapConfig", "check_config"]
 
 
 class OnHostExhausted(str, enum.Enum):
@@ -46,13 +46,7 @@ class SwapConfig:
     use_streams: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_host_bytes is not None and (
-            not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0
-        ):
-            raise ValueError(
-                f"swap_pass.SwapConfig: max_host_bytes={self.max_host_bytes!r} is invalid. "
-                "It must be None or an int >= 0."
-            )
+        _check_size("max_host_bytes", self.max_host_bytes, allow_none=True)
         try:
             policy = OnHostExhausted(self.on_host_exhausted)
         except ValueError:
@@ -62,8 +56,43 @@ class SwapConfig:
                 f"It must be one of {choices}."
             ) from None
         object.__setattr__(self, "on_host_exhausted", policy)
-        if not isinstance(self.min_swap_bytes, int) or self.min_swap_bytes < 0:
-            raise ValueError(
-                f"swap_pass.SwapConfig: min_swap_bytes={self.min_swap_bytes!r} is invalid. "
-                "It must be an int >= 0."
-            )
+        _check_size("min_swap_bytes", self.min_swap_bytes)
+        for name in ("prefetch", "pin_memory", "use_streams"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
+                    "It must be a bool (True or False)."
+                )
+
+
+def _check_size(name: str, value: object, *, allow_none: bool = False) -> None:
+    """A byte count: an int >= 0 (``bool`` is refused although it is an ``int`` subclass)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
+            f"It must be an int >= 0{' or None' if allow_none else ''}."
+        )
+    if value < 0:
+        raise ValueError(
+            f"swap_pass.SwapConfig: {name}={value!r} is invalid. "
+            f"It must be an int >= 0{' or None' if allow_none else ''}."
+        )
+
+
+def check_config(config: object, api: str, expected: str = "swap_pass.SwapConfig") -> SwapConfig:
+    """``config`` itself when it is a :class:`SwapConfig`, ``SwapConfig()`` when None.
+
+    Raises:
+        TypeError: ``config`` is anything else (a dict of knobs, say), naming ``api``.
+    """
+    if config is None:
+        return SwapConfig()
+    if not isinstance(config, SwapConfig):
+        raise TypeError(
+            f"swap_pass.{api}: config is a {type(config).__name__} ({config!r:.80}). It must be a "
+            f"{expected}, e.g. SwapConfig(max_host_bytes=...) (or None for the defaults)."
+        )
+    return config

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from swap_pass.config import SwapConfig
+from swap_pass.config import SwapConfig, check_config
 from swap_pass.eager import _protocol
 from swap_pass.runtime.manager import SwapLayerInputManager
 
@@ -146,5 +146,6 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
         RuntimeError: Swap is already enabled on ``model`` or on one of the blocks.
         ValueError: No repeated blocks were found, or ``layers`` is empty.
     """
+    config = check_config(config, _API)
     found = _check_layers(model, layers)
-    return SwapLayerInputHandle(model, found, config or SwapConfig())
+    return SwapLayerInputHandle(model, found, config)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from swap_pass.config import SwapConfig
+from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs
 from swap_pass.graph.boundaries import LayerFilter
 
@@ -189,7 +189,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     import collections
 
     _check_inner(inner)
-    config = config or SwapConfig()
+    config = check_config(config, "make_swap_backend")
     npu = _npu_compiler() if inner == "npu" else None
     record: collections.deque[Partition] = collections.deque(maxlen=16)
     partition = _swap_partition(_min_cut, layer_filter, config, record)

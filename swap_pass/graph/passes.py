@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import fx
 
-from swap_pass.config import SwapConfig
+from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
@@ -156,13 +156,14 @@ def apply_swap_pass(gm: fx.GraphModule, example_inputs=None, *, layer_filter: La
     from swap_pass.graph.boundaries import _check_graph_module
 
     _check_graph_module(gm, "apply_swap_pass")
+    config = check_config(config, "apply_swap_pass")
     _maybe_shape_prop(gm, example_inputs)
     layers = find_layers(gm, layer_filter, api="apply_swap_pass")
     if len(layers) < 2:
         warnings.warn(f"swap_pass.apply_swap_pass: found {len(layers)} layer(s); nothing to swap. "
                       "Pass layer_filter to name the repeated blocks.", stacklevel=2)
         return gm
-    _rewrite(gm.graph, layers, _config_key(config or SwapConfig()))
+    _rewrite(gm.graph, layers, _config_key(config))
     gm.meta["swap_pass_layers"] = [layer.boundary for layer in layers]
     gm.graph.lint()
     gm.recompile()

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from swap_pass.config import SwapConfig
+from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
@@ -58,7 +58,8 @@ class SwapLayerInputManager:
     ) -> None:
         self.module_tag = module_tag
         self.custom_check_fn = custom_check_fn
-        self.config = config or SwapConfig(prefetch=prefetch)
+        self.config = (SwapConfig(prefetch=prefetch) if config is None
+                       else check_config(config, "SwapLayerInputManager"))
         self.prefetch_enabled = prefetch and self.config.prefetch
         self.batch_stack: list[SwapTensors] = []
         self._preflighted: set[int] = set()

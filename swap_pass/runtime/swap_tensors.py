@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from swap_pass.config import OnHostExhausted, SwapConfig
+from swap_pass.config import OnHostExhausted, SwapConfig, check_config
 from swap_pass.runtime import stats
 from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
@@ -141,7 +141,7 @@ class SwapTensors:
         config: SwapConfig | None = None,
         name: str | None = None,
     ) -> None:
-        self.config = config or _DEFAULT_CONFIG
+        self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
         self.name = name
         self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes)

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from swap_pass.config import SwapConfig
+from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime import register_reset_hook
 from swap_pass.smart.executor import ExecMode, SmartExecutor, StepReport, measure_copy_bandwidth
 from swap_pass.smart.policy import SwapPolicy, gen_policy, replay_peak
@@ -83,6 +83,7 @@ class SmartSwapConfig:
         for name in ("d2h_bandwidth", "h2d_bandwidth"):
             v = getattr(self, name)
             _check(name, v, v is None or v > 0, "None or > 0")
+        check_config(self.swap, "SmartSwapConfig.swap")
 
 
 def _check(name: str, value, ok: bool, must: str) -> None:
@@ -125,6 +126,8 @@ class SmartSwap:
                  config: SmartSwapConfig | SwapConfig | None = None) -> None:
         if isinstance(config, SwapConfig):
             config = SmartSwapConfig(swap=config)
+        if config is not None and not isinstance(config, SmartSwapConfig):
+            check_config(config, "SmartSwap", "SmartSwapConfig or a swap_pass.SwapConfig")
         self.config = config = config or SmartSwapConfig()
         _check_budget(memory_budget)
         self.model = model
