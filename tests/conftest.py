@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import swap_pass
 from swap_pass.runtime.device import accelerator_type
+from swap_pass.testing import stream_model
 
 ACCELERATOR = accelerator_type()
 HAS_ACCELERATOR = ACCELERATOR != "cpu"
@@ -23,10 +26,30 @@ DEVICES = [
 ]
 
 
+STREAM_MODEL_ENV = "SWAP_PASS_STREAM_MODEL"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stream-model", action="store_true", default=False,
+                     help="run every test under swap_pass.testing.stream_model (CPU copies "
+                          f"queued like an accelerator's); also set by {STREAM_MODEL_ENV}=1")
+
+
+def stream_model_requested(config) -> bool:
+    return config.getoption("--stream-model") or os.environ.get(STREAM_MODEL_ENV, "") not in ("", "0")
+
+
 @pytest.fixture(autouse=True)
-def _clean_runtime():
+def _clean_runtime(request):
     swap_pass.reset()
-    yield
+    if stream_model_requested(request.config) and "no_stream_model" not in request.keywords:
+        seed = int(os.environ.get(f"{STREAM_MODEL_ENV}_SEED", "0"))
+        with stream_model(seed=seed) as model:
+            yield
+            swap_pass.reset()
+        assert not model.hazards, model.hazards
+    else:
+        yield
     swap_pass.reset()
 
 

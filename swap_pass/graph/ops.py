@@ -152,14 +152,13 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
         A contiguous CPU tensor with ``x``'s values once ``wait`` has run on it.
     """
     ds = device_streams(x.device, use_streams)
-    buf = host_pool().acquire(_nbytes(x), pin=ds.is_async,
+    buf = host_pool().acquire(_nbytes(x), pin=ds.pin_memory,
                               max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
     host = buf.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
     ready = ds.record_event(ds.compute_stream())
     stream = ds.d2h_stream()
     ds.wait(stream, ready)
-    with ds.use(stream):
-        host.copy_(x, non_blocking=ds.is_async)
+    ds.copy(stream, host, x)
     with _lock:
         _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
     _track_host_buffer(buf)
@@ -190,8 +189,7 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     ready = ds.record_event(ds.compute_stream())
     stream = ds.h2d_stream()
     ds.wait(stream, ready)
-    with ds.use(stream):
-        out.copy_(host, non_blocking=ds.is_async)
+    ds.copy(stream, out, host)
     transfer = _Transfer(ds.record_event(stream), out.device, use_streams, _take_host_buffer(host))
     with _lock:
         _transfers[out.data_ptr()] = transfer

@@ -7,7 +7,10 @@ Copy pattern this module serves (see DESIGN.md section 4)::
 
 Everything is device-generic (``torch.Stream``, ``torch.Event``, ``torch.get_device_module``).
 On CPU there are no streams or events: transfers run synchronously on the caller's thread and
-every wait is a no-op, but the copy, the free and the restore still happen.
+every wait is a no-op, but the copy, the free and the restore still happen. Every copy the runtime
+issues on a side stream goes through :meth:`DeviceStreams.copy`, and every storage a swap frees
+through :meth:`DeviceStreams.free_storage`, so that :func:`swap_pass.testing.stream_model` can
+make CPU behave like an asynchronous device (queued copies, poisoned destinations).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class DeviceStreams:
         self.device = device
         self.is_async = is_async_device(device)
         self.use_streams = use_streams and self.is_async
+        self.pin_memory = self.is_async  # page-locked host buffers make the copies asynchronous
         self._d2h: torch.Stream | None = None
         self._h2d: torch.Stream | None = None
 
@@ -131,14 +135,33 @@ class DeviceStreams:
             return contextlib.nullcontext()
         return stream  # torch.Stream is a context manager that makes itself current
 
+    def copy(self, stream: torch.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` on ``stream``, without blocking the host on an accelerator.
+
+        The caller orders ``stream`` after the producer of ``src`` (and the allocation of
+        ``dst``) first, and records an event after it for the consumer to wait on.
+        """
+        with self.use(stream):
+            dst.copy_(src, non_blocking=self.is_async)
+
+    @staticmethod
+    def free_storage(storage: torch.UntypedStorage) -> None:
+        """Free a swapped-out storage in place (its tensors keep their metadata)."""
+        storage.resize_(0)
+
 
 _streams_lock = threading.Lock()
 _streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
+# Set by swap_pass.testing.stream_model while it is active: a callable returning the modelled
+# DeviceStreams of a CPU device, and a hook told about every host buffer given back to the pool.
+_cpu_model = None
 
 
 def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
     """Return the (cached) :class:`DeviceStreams` of ``device``."""
     dev = torch.device(device)
+    if dev.type == "cpu" and _cpu_model is not None:
+        return _cpu_model.streams(dev, use_streams)
     if dev.type != "cpu" and dev.index is None:
         dev = torch.device(dev.type, torch.accelerator.current_device_index())
     key = (dev, use_streams)
@@ -146,3 +169,9 @@ def device_streams(device: torch.device | str, use_streams: bool = True) -> Devi
         if key not in _streams:
             _streams[key] = DeviceStreams(dev, use_streams)
         return _streams[key]
+
+
+def host_buffer_released(buf: torch.Tensor) -> None:
+    """Called by the host pool for every buffer given back (the stream model poisons it)."""
+    if _cpu_model is not None:
+        _cpu_model.host_buffer_released(buf)

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from swap_pass.runtime import stats
+from swap_pass.runtime.device import host_buffer_released
 from swap_pass.runtime.errors import HostMemoryError
 
 __all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight"]
@@ -117,6 +118,7 @@ class HostBufferPool:
                 stats.record(**stat_deltas)
 
     def _put_back(self, buf: torch.Tensor) -> None:
+        host_buffer_released(buf)
         nbytes = buf.numel()
         with self._lock:
             self._free.setdefault((nbytes, buf.is_pinned()), []).append(buf)

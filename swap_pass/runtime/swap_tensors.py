@@ -177,9 +177,8 @@ class SwapTensors:
             ready = ds.record_event(ds.compute_stream())
             stream = stream or ds.d2h_stream()
             ds.wait(stream, ready)
-            with ds.use(stream):
-                for e in self._entries:
-                    e.host.copy_(_bytes_view(e.storage), non_blocking=ds.is_async)
+            for e in self._entries:
+                ds.copy(stream, e.host, _bytes_view(e.storage))
             self._event = ds.record_event(stream)
             stats.record(swap_outs=1, swapped_out_bytes=self.nbytes)
         self.stat = SwapState.D2H
@@ -193,7 +192,7 @@ class SwapTensors:
             ds.wait(ds.compute_stream(), self._event)
             self._event = None
             for e in self._entries:
-                e.storage.resize_(0)
+                ds.free_storage(e.storage)
             guard_freed(self._freed_tensors(), self.name or "a swap group")
             stats.record(device_bytes_released=self.nbytes)
         self.stat = SwapState.HOST
@@ -210,9 +209,8 @@ class SwapTensors:
             ready = ds.record_event(ds.compute_stream())
             stream = stream or ds.h2d_stream()
             ds.wait(stream, ready)
-            with ds.use(stream):
-                for e in self._entries:
-                    _bytes_view(e.storage).copy_(e.host, non_blocking=ds.is_async)
+            for e in self._entries:
+                ds.copy(stream, _bytes_view(e.storage), e.host)
             self._event = ds.record_event(stream)
             stats.record(swap_ins=1, swapped_in_bytes=self.nbytes)
         self.stat = SwapState.H2D
@@ -297,7 +295,7 @@ class SwapTensors:
         return device_streams(self.device, self.config.use_streams)
 
     def _pin(self) -> bool:
-        return self.config.pin_memory and self._streams().is_async
+        return self.config.pin_memory and self._streams().pin_memory
 
     def _acquire_host_buffers(self) -> bool:
         """Give every entry a host buffer; False when host memory ran out and policy keeps data."""
