@@ -5,35 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_pass import SwapTensors
 from swap_pass.runtime.device import device_streams
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.testing import ModelEvent, stream_model
+from tests.runtime.test_autograd_exact import _loss_and_grads
 
 pytestmark = pytest.mark.no_stream_model  # each test runs its own model
 
 
-def _loss_and_grads(swap: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    torch.manual_seed(0)
-    lin1, lin2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
-    x = torch.randn(4, 16, requires_grad=True)
-    h = torch.tanh(lin1(x))  # tanh and lin2 both save h
-    loss = lin2(h).pow(2).sum()
-    if swap:
-        group = SwapTensors([h])
-        group.swap_to_host()
-        group.wait_d2h()
-        assert h.untyped_storage().nbytes() == 0
-        group.swap_to_device()
-        group.wait_h2d()
-    loss.backward()
-    return loss.detach(), [x.grad, *(p.grad for p in (*lin1.parameters(), *lin2.parameters()))]
-
-
 def _exact(seed: int) -> bool:
-    ref_loss, ref_grads = _loss_and_grads(False)
+    ref_loss, ref_grads = _loss_and_grads(False, "cpu")
     with stream_model(seed=seed, early_probability=0.0):
-        loss, grads = _loss_and_grads(True)
+        loss, grads = _loss_and_grads(True, "cpu")
     return torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
 
 
