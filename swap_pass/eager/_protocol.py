@@ -21,6 +21,19 @@ Note: [No-grad first forward]
     a hook on it runs before this layer's ``CheckpointFunctionBackward`` (the recompute). A
     group that no call could guard is never freed; it is abandoned (data stays on device).
 
+Note: [Grad mode at layer entry]
+    Whether a call is a no-grad first forward is read from the grad mode when the layer is
+    *entered*, never from its outputs: a layer may re-enable grad inside (Megatron's
+    ``TransformerLayer`` runs its bias-dropout-add under ``torch.enable_grad``), so inside
+    ``CheckpointFunction``'s ``no_grad`` forward its output still requires grad. That output's
+    graph is thrown away when the checkpoint gives its result a new ``grad_fn``: a guard hooked
+    on it would never fire and the recompute would read the freed input. For the same reason a
+    no-grad call's raw output is marked: a later layer that receives it as input runs inside the
+    same checkpointed region (``recompute_num_layers > 1``), nothing keeps that input for backward,
+    and its ``grad_fn`` is no place for a guard. Only a tensor that left the region (the
+    checkpoint's own output, with its ``grad_fn``) can guard, whatever the grad mode of the
+    layer that receives it (Megatron's ``block`` recompute: checkpointed layers, then plain ones).
+
 Note: [Group lifetime]
     Each guard holds its group in its closure (pairing each backward with its own forward under
     gradient accumulation, partial backward and pipeline schedules); ``batch_stack`` stays the
@@ -47,6 +60,7 @@ from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
 
 _GUARDED_ATTR = "_swap_pass_guarded"
+_REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -129,10 +143,26 @@ def free_previous(manager: SwapLayerInputManager) -> None:
             prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
 
 
+def _in_region(hidden_states: torch.Tensor) -> bool:
+    """Whether ``hidden_states`` is a no-grad layer call's raw output, its ``grad_fn`` unchanged
+    (``autograd.Function.apply`` returns the same tensor object with a new ``grad_fn``)."""
+    grad_fn = hidden_states.grad_fn
+    marked = getattr(hidden_states, _REGION_OUTPUT_ATTR, None)
+    return grad_fn is not None and marked == grad_fn._sequence_nr()
+
+
+def _left_region(hidden_states: torch.Tensor) -> bool:
+    """Whether ``hidden_states`` carries a graph that backward will walk (Note: [Grad mode at
+    layer entry]): it has a ``grad_fn`` and is not a no-grad layer call's raw output."""
+    return (hidden_states.requires_grad and hidden_states.grad_fn is not None
+            and not _in_region(hidden_states))
+
+
 def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> None:
-    """No-grad forward: guard the previous layer's newest unguarded group on our input."""
+    """Guard the previous layer's newest unguarded group on our input (see Note: [No-grad first
+    forward]); only an input that left its checkpointed region can guard."""
     prev = manager.previous
-    if prev is None or not hidden_states.requires_grad or hidden_states.grad_fn is None:
+    if prev is None or not _left_region(hidden_states):
         return
     pending = [g for g in prev.batch_stack if g.stat == SwapState.D2H and not is_guarded(g)]
     if pending:
@@ -156,11 +186,23 @@ def abort_tag(module_tag: str) -> None:
 # --- one layer call -------------------------------------------------------------------------
 
 
+def _mark_region_outputs(result: Any, api: str) -> None:
+    for t in grad_outputs(result, api):
+        if t.grad_fn is not None:
+            setattr(t, _REGION_OUTPUT_ATTR, t.grad_fn._sequence_nr())
+
+
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
-                        result: Any, api: str) -> None:
-    outputs = grad_outputs(result, api)
-    if not outputs and not hidden_states.requires_grad:
-        return  # inference: nothing is kept for a backward
+                        result: Any, api: str, grad_at_entry: bool) -> None:
+    if grad_at_entry:
+        outputs = grad_outputs(result, api)
+        kept = bool(outputs) or hidden_states.requires_grad
+    else:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at layer entry])
+        _mark_region_outputs(result, api)
+        outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
+    if not kept:  # inference, or inside a checkpointed region: nothing keeps the input
+        free_previous(manager)  # and no later call can guard a group the region started
+        return
     group = None if manager.is_last_layer else manager.swap_out([hidden_states])
     if outputs:
         BackwardGuard(manager, group).attach(outputs)
@@ -181,10 +223,10 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         return call(*args, **kwargs)
     try:
         abandon_own_unguarded(manager)
-        if not torch.is_grad_enabled():
-            guard_previous_on_input(manager, hidden_states)
+        grad_at_entry = torch.is_grad_enabled()
+        guard_previous_on_input(manager, hidden_states)
         result = call(*args, **kwargs)
-        _swap_after_forward(manager, hidden_states, result, api)
+        _swap_after_forward(manager, hidden_states, result, api, grad_at_entry)
     except BaseException:
         abort_tag(manager.module_tag)
         raise
