@@ -1,7 +1,8 @@
 """``enable_swap_layer_input(model)``: the SwapLayerInput protocol without editing model code.
 
-It finds the repeated Transformer blocks (an ``nn.ModuleList`` of same-class modules: HF
-``model.layers``, GPT-2 ``transformer.h``, torchtitan ``layers``, ``nn.TransformerEncoder.layers``),
+It finds the repeated Transformer blocks (an ``nn.ModuleList`` or ``nn.ModuleDict`` of same-class
+modules: HF ``model.layers``, GPT-2 ``transformer.h``, torchtitan's ``layers`` (a ``ModuleDict``),
+``nn.TransformerEncoder.layers``),
 gives each block a manager under a tag of its own and shadows the block's ``forward`` with an
 instance attribute. ``handle.remove()`` deletes exactly what was added.
 """
@@ -25,22 +26,24 @@ _HANDLE_ATTR = "_swap_pass_handle"
 _MISSING = object()
 
 
-def find_layer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The longest ``nn.ModuleList`` in ``model`` whose children (two or more) share one class.
+def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
+    """The longest ``nn.ModuleList`` or ``nn.ModuleDict`` in ``model`` whose children (two or
+    more) share one class (a ``ModuleDict``'s blocks run in insertion order, as torchtitan's do).
 
     Raises:
-        ValueError: No such list exists.
+        ValueError: No such container exists.
     """
-    best: nn.ModuleList | None = None
+    best: nn.ModuleList | nn.ModuleDict | None = None
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
             continue
-        classes = {type(child) for child in module}
+        classes = {type(child) for child in module.children()}
         if len(classes) == 1 and (best is None or len(module) > len(best)):
             best = module
     if best is None:
         raise ValueError(
-            f"swap_pass.{_API}: found no nn.ModuleList of two or more same-class blocks in "
+            f"swap_pass.{_API}: found no nn.ModuleList or nn.ModuleDict of two or more "
+            f"same-class blocks in "
             f"{type(model).__name__}. Pass the Transformer blocks explicitly with layers=[...]."
         )
     return best
@@ -114,7 +117,8 @@ def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[
             f"swap_pass.{_API}: swap is already enabled on this {type(model).__name__}. "
             "Call handle.remove() before enabling it again."
         )
-    found = list(find_layer_blocks(model) if layers is None else layers)
+    container = find_layer_blocks(model) if layers is None else layers
+    found = list(container.values() if isinstance(container, nn.ModuleDict) else container)
     for idx, layer in enumerate(found):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"swap_pass.{_API}: layers[{idx}] is a {type(layer).__name__}. "
@@ -135,8 +139,8 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
 
     Args:
         model: The model. Its source is not edited; blocks get an instance-level ``forward``.
-        layers: The blocks, in the order they run. Default: ``None``, found with
-            :func:`find_layer_blocks`.
+        layers: The blocks, in the order they run (an ``nn.ModuleDict`` gives its values).
+            Default: ``None``, found with :func:`find_layer_blocks`.
         config: Runtime knobs for the blocks' managers. Default: ``SwapConfig()``.
 
     Returns:

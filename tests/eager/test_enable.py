@@ -103,8 +103,49 @@ def test_transformer_encoder_bitwise_equal():
 def test_finds_the_repeated_blocks():
     model = _hf("gpt2")
     assert find_layer_blocks(model) is model.transformer.h
-    with pytest.raises(ValueError, match="no nn.ModuleList of two or more same-class blocks"):
+    with pytest.raises(ValueError, match="no nn.ModuleList or nn.ModuleDict of two or more"):
         find_layer_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+class _DictLayers(nn.Module):
+    """torchtitan's layout: blocks in an ``nn.ModuleDict`` keyed "0", "1", ..."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(16, 16) for i in range(4)})
+        self.head = nn.Linear(16, 16)  # a single block elsewhere is never chosen
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = torch.tanh(layer(x))
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["found", "layers=ModuleDict"])
+def test_module_dict_blocks_bitwise_equal(explicit):
+    ref = _DictLayers()
+    model = copy.deepcopy(ref)
+    handle = swap_pass.enable_swap_layer_input(model, layers=model.layers if explicit else None)
+    assert handle.layers == list(model.layers.values())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    kept = x.clone()
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(x.requires_grad_(False))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    expected = step(ref)
+    assert find_layer_blocks(model) is model.layers
+    model.zero_grad(set_to_none=True)
+    loss, freed = _freed_after_forward(model, handle.layers, lambda: model(x))
+    assert freed[1:] == [True, True, False]  # inputs the blocks made are freed; not the last
+    loss.backward()
+    assert_exact(expected, (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(x, kept)
+    assert_clean()
 
 
 def test_remove_restores_the_model_exactly():
