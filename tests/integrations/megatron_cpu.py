@@ -1,0 +1,165 @@
+"""Run megatron-core on a CPU-only machine: device shims, a tiny GPT, and one training step.
+
+Test support, not library code. megatron-core assumes CUDA in a few places that matter for a
+single forward/backward; each shim below points one of them at the CPU:
+
+* the RNG tracker (``tensor_parallel.random``) reads and writes the CUDA generator: it gets the
+  CPU generator instead, so dropout under full recompute replays exactly;
+* ``torch.cuda.current_device()`` places scratch buffers (attention, RoPE, p2p shapes);
+* the pipeline schedules count tokens in a ``device="cuda"`` tensor and p2p calls
+  ``torch.cuda.synchronize()``.
+
+Everything else is Megatron's real code: the local (non-Transformer-Engine) layer spec, its
+``CheckpointFunction`` for full recompute, its selective recompute, its 1F1B and interleaved
+schedules over gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+
+VOCAB, SEQ, HIDDEN, HEADS, FFN = 128, 16, 64, 4, 128
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _torch_without_cuda_zeros(real_torch: types.ModuleType) -> types.SimpleNamespace:
+    """The schedules module's ``torch``, with ``zeros(device="cuda")`` made on the CPU."""
+
+    class _Torch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(real_torch, name)
+
+    proxy = _Torch("torch")
+
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")) == "cuda":
+            kwargs["device"] = "cpu"
+        return real_torch.zeros(*args, **kwargs)
+
+    proxy.zeros = zeros
+    return proxy
+
+
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Patch megatron-core's CUDA-only calls to the CPU for the duration of the block."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with contextlib.ExitStack() as stack:
+        patches = [
+            mock.patch.object(mrandom, "_get_cuda_rng_state",
+                              lambda *a, **k: torch.get_rng_state()),
+            mock.patch.object(mrandom, "_set_cuda_rng_state",
+                              lambda state, *a, **k: torch.set_rng_state(state)),
+            mock.patch.object(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+            mock.patch.object(torch.cuda, "manual_seed", torch.manual_seed),
+            mock.patch.object(torch.cuda, "current_device", _cpu_device),
+            mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None),
+            mock.patch.object(schedules, "torch", _torch_without_cuda_zeros(torch)),
+        ]
+        if hasattr(p2p_communication, "torch"):
+            patches.append(mock.patch.object(p2p_communication.torch.cuda, "synchronize",
+                                             lambda *a, **k: None))
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def init_parallel(pp: int = 1, vp: int | None = None) -> None:
+    """One gloo process group (single rank unless torchrun started more) and Megatron's groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        import os
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("gloo")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(num_layers: int = 4, recompute: str = "none", method: str | None = None,
+                recompute_layers: int = 1, pp: int = 1, vp: int | None = None, **extra):
+    """A tiny ``TransformerConfig`` for the CPU: fusions off, dropout on.
+
+    Args:
+        recompute: ``"none"``, ``"full"`` or ``"selective"`` (Megatron's granularity).
+        method: ``"uniform"`` or ``"block"`` for full recompute.
+        recompute_layers: Megatron's ``recompute_num_layers``.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+              ffn_hidden_size=FFN, hidden_dropout=0.1, attention_dropout=0.1,
+              use_cpu_initialization=True, params_dtype=torch.float32,
+              bias_activation_fusion=False, bias_dropout_fusion=False,
+              masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+              apply_rope_fusion=False, pipeline_model_parallel_size=pp,
+              virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32)
+    if recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method=method,
+                  recompute_num_layers=recompute_layers)
+    elif recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    kw.update(extra)
+    return TransformerConfig(**kw)
+
+
+def make_gpt(config, seed: int = 1234, pre_process: bool = True, post_process: bool = True,
+             vp_stage: int | None = None):
+    """A GPTModel with the local layer spec, same weights for the same seed."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    kw = {} if vp_stage is None else {"vp_stage": vp_stage}
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre_process,
+                    post_process=post_process, position_embedding_type="rope", **kw)
+
+
+def make_batch(batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids, positions and labels for one micro-batch ([batch, seq])."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=gen)
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(SEQ).expand(batch, SEQ).contiguous(),
+            # Megatron's default causal mask is built on "cuda": pass it (True = masked out).
+            "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)}
+
+
+def train_step(model, batch: dict[str, torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, dict]:
+    """Forward and backward of one micro-batch; returns the loss and every parameter's grad."""
+    from megatron.core import tensor_parallel
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    loss = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                 labels=batch["labels"]).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
