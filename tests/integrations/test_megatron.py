@@ -17,7 +17,7 @@ megatron_core = pytest.importorskip(
 import swap_pass  # noqa: E402
 from swap_pass.eager._layer_io import in_backward  # noqa: E402
 from swap_pass.integrations import megatron as sp_megatron  # noqa: E402
-from tests.eager.helpers import assert_clean  # noqa: E402
+from tests.eager.helpers import assert_clean, assert_exact  # noqa: E402
 from tests.integrations import megatron_cpu as mc  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -57,14 +57,6 @@ def _step_watching(model, layers, batch):
     return (loss, grads), forward.freed
 
 
-def _assert_exact(expected, got) -> None:
-    (ref_loss, ref_grads), (loss, grads) = expected, got
-    assert torch.equal(ref_loss, loss), (ref_loss.item(), loss.item())
-    assert ref_grads.keys() == grads.keys()
-    for name in ref_grads:
-        assert torch.equal(ref_grads[name], grads[name]), name
-
-
 @pytest.mark.parametrize("recompute,method,k", MODES,
                          ids=[f"{r}-{m}-{k}" if m else r for r, m, k in MODES])
 def test_enable_is_exact_in_every_recompute_mode(recompute, method, k):
@@ -77,11 +69,11 @@ def test_enable_is_exact_in_every_recompute_mode(recompute, method, k):
     assert handle.layers == list(model.decoder.layers)[::k if method == "uniform" else 1]
     got, freed = _step_watching(model, handle.layers, batch)
     assert freed == [True] * (len(handle.layers) - 1) + [False]
-    _assert_exact(expected, got)
+    assert_exact(expected, got)
     assert swap_pass.swap_stats().swap_ins == len(handle.layers) - 1
     assert_clean()
     assert all(torch.equal(kept[n], batch[n]) for n in batch)
-    _assert_exact(mc.train_step(ref, batch), mc.train_step(model, batch))  # a second step
+    assert_exact(mc.train_step(ref, batch), mc.train_step(model, batch))  # a second step
     assert_clean()
     handle.remove()
     assert not any(hasattr(layer, "swap_manager") for layer in model.decoder.layers)
@@ -97,7 +89,7 @@ def test_generic_enable_on_gpt_model_full_recompute():
     assert handle.layers == list(model.decoder.layers)
     got, freed = _step_watching(model, handle.layers, batch)
     assert freed == [True, True, True, False]
-    _assert_exact(mc.train_step(ref, batch), got)
+    assert_exact(mc.train_step(ref, batch), got)
     assert_clean()
 
 
@@ -118,7 +110,7 @@ def test_decorated_layer_spec_full_recompute():
     batch = mc.make_batch()
     got, freed = _step_watching(model, list(model.decoder.layers), batch)
     assert freed == [True, True, True, False]
-    _assert_exact(mc.train_step(ref, batch), got)
+    assert_exact(mc.train_step(ref, batch), got)
     assert_clean()
 
 
