@@ -1,0 +1,105 @@
+"""One rank of the Megatron pipeline test, started by torchrun (gloo, CPU).
+
+``python -m torch.distributed.run --nproc-per-node 2 megatron_pp_worker.py OUT SCHEDULE``:
+Megatron's own ``get_forward_backward_func()`` runs 1F1B (``SCHEDULE=1f1b``, 2 stages) or the
+interleaved schedule (``interleaved``, 2 virtual stages per rank) with full recompute, once
+without swap and once with ``swap_pass.integrations.megatron.enable`` on the model chunks. The
+rank writes what the test asserts on (bitwise equality, swaps done, nothing pending) to
+``OUT/rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.integrations import megatron_cpu as mc  # noqa: E402
+
+MICROBATCHES, LAYERS = 4, 8
+
+
+def _chunks(vp: int | None) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+
+    cfg = mc.make_config(num_layers=LAYERS, recompute="full", method="uniform",
+                         recompute_layers=1, pp=2, vp=vp, batch_p2p_comm=False)
+    stages = range(vp) if vp else [None]
+    return [mc.make_gpt(cfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                        vp_stage=v) for v in stages]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                labels=batch["labels"])
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+    return out, loss_func
+
+
+def _run(chunks, swap: bool) -> dict:
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import swap_pass
+    from swap_pass.integrations import megatron as sp_megatron
+
+    swap_pass.reset()
+    handle = sp_megatron.enable(chunks) if swap else None
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    batches = [mc.make_batch(seed=i) for i in range(MICROBATCHES)]
+    iters = [iter(batches) for _ in chunks]
+    torch.manual_seed(7)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=MICROBATCHES,
+        seq_length=mc.SEQ, micro_batch_size=2, forward_only=False)
+    stats = swap_pass.swap_stats()
+    pending = sum(len(m.batch_stack) for m in handle.managers) if handle else 0
+    result = {"losses": [l["loss"] for l in losses],
+              "grads": {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks)
+                        for n, p in c.named_parameters() if p.grad is not None},
+              "swap_outs": stats.swap_outs, "swap_ins": stats.swap_ins,
+              "released": stats.peak_device_bytes_released, "pending": pending,
+              "host_in_use": stats.host_bytes_in_use}
+    if handle:
+        handle.remove()
+    return result
+
+
+def main(out: str, schedule: str) -> None:
+    warnings.simplefilter("ignore")
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    rank = int(os.environ["RANK"])
+    with mc.cpu_shims():
+        vp = 2 if schedule == "interleaved" else None
+        mc.init_parallel(pp=2, vp=vp)
+        ref = _run(_chunks(vp), swap=False)
+        got = _run(_chunks(vp), swap=True)
+    report = {
+        "losses_equal": len(ref["losses"]) == len(got["losses"]) and all(
+            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
+        "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(
+            torch.equal(ref["grads"][n], got["grads"][n]) for n in ref["grads"]),
+        "n_grads": len(got["grads"]),
+        **{k: got[k] for k in ("swap_outs", "swap_ins", "released", "pending", "host_in_use")},
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
