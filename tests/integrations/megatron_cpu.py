@@ -152,13 +152,18 @@ def make_batch(batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
             "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)}
 
 
-def train_step(model, batch: dict[str, torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, dict]:
-    """Forward and backward of one micro-batch; returns the loss and every parameter's grad."""
+def tensor_parallel_seed(seed: int) -> None:
+    """Seed Megatron's RNG tracker (dropout inside the layers) the way training does."""
     from megatron.core import tensor_parallel
 
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def train_step(model, batch: dict[str, torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, dict]:
+    """Forward and backward of one micro-batch; returns the loss and every parameter's grad."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel_seed(seed)
     loss = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                  labels=batch["labels"]).mean()
     loss.backward()
