@@ -11,4 +11,7 @@ mkdir -p "$DIR"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation py --abi none --platform any -d "$DIR" \
   pytest pluggy iniconfig packaging pytest-timeout hypothesis sortedcontainers attrs
+# megatron-core (the bench's Megatron rows) ships a compiled wheel per Python version.
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 -d "$DIR" megatron-core==0.16.1
 ls "$DIR"

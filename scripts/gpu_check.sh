@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One check on a CUDA machine: install swap_pass, run the accelerator-only tests, run the
-# llama-8b-layer bench. Finishes in under 8 minutes (each stage has its own time limit).
+# llama-8b-layer bench. Finishes in under 11 minutes (each stage has its own time limit).
 #
 #   scripts/gpu_check.sh [WHEEL_DIR]
 #
@@ -9,6 +9,7 @@
 # Outputs go under $OUT when it is set, else ./gpu_check_out:
 #   env.txt, pytest-accelerator.txt, accelerator-junit.xml,
 #   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
+#   bench-megatron.txt, bench-megatron.json,
 #   summary.txt
 # Exit status: 0 when every stage passed, else the number of stages that failed.
 # Dry run on a CPU machine (no install, small preset):
@@ -42,6 +43,8 @@ if [ -n "${GPU_CHECK_NO_INSTALL:-}" ]; then
 elif [ -n "$WHEELS" ]; then
   python3 -m pip install --no-index --find-links "$WHEELS" pytest pytest-timeout hypothesis \
     >> "$OUT/install.txt" 2>&1 || summary "install: some wheels from $WHEELS did not install (see install.txt)"
+  python3 -m pip install --no-index --no-deps --find-links "$WHEELS" megatron-core==0.16.1 \
+    >> "$OUT/install.txt" 2>&1 || summary "install: megatron-core not in $WHEELS (Megatron rows skip)"
 fi
 if [ -z "${GPU_CHECK_NO_INSTALL:-}" ]; then
   if python3 -m pip install --no-deps --no-build-isolation -e . >> "$OUT/install.txt" 2>&1; then
@@ -74,6 +77,15 @@ bench() {  # name, time limit, methods
 bench "bench-$PRESET" 170 no_swap,recompute,eager_swap,save_on_cpu,smartswap,torchtune
 GPU_CHECK_BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-} --no-smart-rows" bench "bench-$PRESET-compile" 140 compile,compile_swap
 cat "$OUT/bench.txt"
+
+# --- 5. Megatron rows: swap_pass vs Megatron's offloading vs recompute vs none (<= 150 s) ----
+# Without megatron-core the rows say so and the stage passes.
+timeout 150 python3 -m swap_pass bench --preset "$PRESET" --methods no_swap --no-smart-rows \
+  --steps 1 --warmup 1 --megatron --json "$OUT/bench-megatron.json" > "$OUT/bench-megatron.txt" 2>&1
+rc=$?
+tail -n 8 "$OUT/bench-megatron.txt"
+if [ "$rc" -eq 0 ]; then summary "bench megatron: ok ($(grep -c '^Megatron rows: SKIPPED' "$OUT/bench-megatron.txt") skipped)"
+else summary "bench megatron: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 
 summary "gpu_check: $failed stage(s) failed; outputs in $OUT"
 exit "$failed"

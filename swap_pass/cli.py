@@ -52,6 +52,9 @@ def _add_bench(sub) -> None:
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
     p.add_argument("--no-smart-rows", action="store_true",
                    help="skip SmartSwap's own rows (profiler overhead, budget; about 30 s on CPU)")
+    p.add_argument("--megatron", action="store_true",
+                   help="also a megatron-core GPTModel: swap_pass vs Megatron's fine-grained "
+                   "offloading vs full recompute vs none (needs megatron-core and CUDA)")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method (PNG)")
 
@@ -121,13 +124,20 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                        command=shlex.join(["swap-pass", *argv]), smart_rows=not args.no_smart_rows,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
     print(format_report(report))
+    if args.megatron:
+        from swap_pass.bench.megatron import format_megatron, megatron_section
+        report.extra["megatron"] = megatron_section(device)
+        print("\n".join(format_megatron(report.extra["megatron"])))
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         plot_memory(report, args.plot)
         print(f"wrote {args.plot}")
-    return 1 if any(r.status == "failed" or r.losses_match is False for r in report.rows) else 0
+    megatron_rows = report.extra.get("megatron", {}).get("rows", [])
+    return 1 if any(r.status == "failed" or r.losses_match is False for r in report.rows) or any(
+        r["status"] != "ok" or r.get("exact") is False for r in megatron_rows
+        if r["method"] != "megatron_offload") else 0
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -41,8 +41,9 @@ def _freed_after_forward(model, layers, batch):
             hook.remove()
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["found", "layers=model.layers"])
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+@pytest.mark.parametrize("ac,explicit", [("none", False), ("full", False), ("selective", False),
+                                         ("full", True)],
+                         ids=["none", "full", "selective", "full-layers=model.layers"])
 def test_llama3_debug_model_bitwise_equal(ac, explicit):
     ref, model = tc.make_llama3_debug(n_layers=LAYERS), tc.make_llama3_debug(n_layers=LAYERS)
     tc.apply_ac(ref, ac)
