@@ -32,7 +32,8 @@ import torch
 
 from swap_pass.bench.measure import profile_step, synchronize
 
-__all__ = ["MegatronBenchSizes", "format_megatron", "megatron_rows", "megatron_section"]
+__all__ = ["MegatronBenchSizes", "format_megatron", "forward_step", "megatron_rows",
+           "megatron_section"]
 
 METHODS = ("none", "recompute", "swap_pass", "megatron_offload")
 _REFERENCE = {"none": "none", "recompute": "none", "swap_pass": "recompute",
@@ -133,7 +134,8 @@ def _batches(sizes: MegatronBenchSizes, device: torch.device, seed: int) -> list
 # --- one step -------------------------------------------------------------------------------
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
+    """Megatron's ``forward_step_func``: one micro-batch's loss (mean over tokens)."""
     batch = next(data_iterator)
     out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                 labels=batch["labels"])
@@ -155,7 +157,7 @@ def _stepper(model, sizes: MegatronBenchSizes, batches: list[dict],
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        losses = run(forward_step_func=_forward_step, data_iterator=iter(batches), model=model,
+        losses = run(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
                      num_microbatches=sizes.micro_batches, seq_length=sizes.seq,
                      micro_batch_size=sizes.micro_batch, forward_only=False)
         return [out["loss"] for out in losses]

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from swap_pass.bench.megatron import forward_step  # noqa: E402
 from tests.integrations import megatron_cpu as mc  # noqa: E402
 
 MICROBATCHES, LAYERS = 4, 8
@@ -34,17 +35,6 @@ def _chunks(vp: int | None) -> list[torch.nn.Module]:
     return [mc.make_gpt(cfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
                         vp_stage=v) for v in stages]
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                labels=batch["labels"])
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
-    return out, loss_func
 
 
 def _run(chunks, swap: bool) -> dict:
@@ -63,7 +53,7 @@ def _run(chunks, swap: bool) -> dict:
     torch.manual_seed(7)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
+        forward_step_func=forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=MICROBATCHES,
         seq_length=mc.SEQ, micro_batch_size=2, forward_only=False)
     stats = swap_pass.swap_stats()
