@@ -49,6 +49,7 @@ def _run(chunks, swap: bool) -> dict:
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     batches = [mc.make_batch(seed=i) for i in range(MICROBATCHES)]
+    kept = [{k: v.clone() for k, v in b.items()} for b in batches]
     iters = [iter(batches) for _ in chunks]
     torch.manual_seed(7)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
@@ -63,7 +64,8 @@ def _run(chunks, swap: bool) -> dict:
                         for n, p in c.named_parameters() if p.grad is not None},
               "swap_outs": stats.swap_outs, "swap_ins": stats.swap_ins,
               "released": stats.peak_device_bytes_released, "pending": pending,
-              "host_in_use": stats.host_bytes_in_use}
+              "host_in_use": stats.host_bytes_in_use,
+              "batches_intact": all(torch.equal(b[k], c[k]) for b, c in zip(batches, kept) for k in b)}
     if handle:
         handle.remove()
     return result
@@ -84,7 +86,8 @@ def main(out: str, schedule: str) -> None:
         "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(
             torch.equal(ref["grads"][n], got["grads"][n]) for n in ref["grads"]),
         "n_grads": len(got["grads"]),
-        **{k: got[k] for k in ("swap_outs", "swap_ins", "released", "pending", "host_in_use")},
+        **{k: got[k] for k in ("swap_outs", "swap_ins", "released", "pending", "host_in_use",
+                                "batches_intact")},
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

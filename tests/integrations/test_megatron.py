@@ -117,3 +117,32 @@ def test_decorated_layer_spec_full_recompute():
 def test_enable_rejects_a_model_without_transformer_block():
     with pytest.raises(TypeError, match="neither a TransformerBlock nor a model"):
         sp_megatron.enable(torch.nn.Linear(2, 2))
+
+
+def test_mtp_layers_are_left_alone():
+    """A GPTModel with a multi-token-prediction layer: only the decoder's layers are swapped,
+    the MTP layer (which reads the decoder's output again) runs untouched; exact."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
+
+    cfg = mc.make_config(recompute="full", method="uniform", recompute_layers=1, mtp_num_layers=1)
+
+    def build():
+        torch.manual_seed(1234)
+        mc.tensor_parallel_seed(1234)
+        spec = get_gpt_layer_local_spec()
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=mc.VOCAB,
+                        max_sequence_length=mc.SEQ, position_embedding_type="rope",
+                        mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec,
+                                                              use_transformer_engine=False))
+
+    ref, model = build(), build()
+    batch = mc.make_batch()
+    handle = sp_megatron.enable(model)
+    assert handle.layers == list(model.decoder.layers)
+    assert not any(hasattr(m, "swap_manager") for m in model.mtp.modules())
+    got, freed = _step_watching(model, handle.layers, batch)
+    assert freed == [True, True, True, False]
+    assert_exact(mc.train_step(ref, batch), got)
+    assert_clean()

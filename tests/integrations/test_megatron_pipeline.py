@@ -63,3 +63,4 @@ def test_megatron_pipeline_bitwise_equal(schedule, tmp_path):
         assert report["swap_outs"] == report["swap_ins"] == SWAPS[schedule], (rank, report)
         assert report["released"] > 0, (rank, report)
         assert report["pending"] == 0 and report["host_in_use"] == 0, (rank, report)
+        assert report["batches_intact"], (rank, report)
