@@ -82,8 +82,10 @@ def _row_text(row: dict) -> dict:
     return {"label": str(row.get("name", "")), "value": text, "data": row}
 
 
-def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384) -> dict:
-    """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget.
+def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384,
+                     dynamic_steps: int = 50) -> dict:
+    """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget,
+    and a varying-length schedule with and without the plan cache.
 
     # Note: [SmartSwap bench rows]
     # ``profiler_overhead_rows(steps=...)`` and ``budget_rows()`` return lists of plain dicts
@@ -95,16 +97,22 @@ def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384) -> 
         change_seq: Sequence length the budget rows switch to after their stable steps (the
             change step's peak against the budget in force); None for no change. Default:
             ``384`` (from 256).
+        dynamic_steps: Steps of the varying-length schedule (``dynamic_rows``); 0 for none.
+            Default: ``50``.
     """
     try:
         overhead = require("swap_pass.smart.bench", "profiler_overhead_rows")
         budget = require("swap_pass.smart.bench", "budget_rows")
+        dynamic = require("swap_pass.smart.bench", "dynamic_rows")
     except MethodSkipped as why:
         return {"status": "skipped", "reason": str(why), "rows": []}
     rows = [{**_row_text(r), "label": f"profiler overhead: {r.get('name', '')}"}
             for r in overhead(steps=overhead_steps)]
     rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"}
              for r in budget(change_seq=change_seq)]
+    if dynamic_steps:
+        rows += [{**_row_text(r), "label": f"dynamic: {r.get('name', '')}"}
+                 for r in dynamic(steps=dynamic_steps)]
     return {"status": "ok", "reason": "", "rows": rows}
 
 

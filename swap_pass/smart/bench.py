@@ -4,23 +4,31 @@
   profiler and against ``torch.profiler`` on the same model (the issue asks for <= 3%).
 * :func:`budget_rows`: peak resident saved bytes under SmartSwap against the budget, measured by
   :class:`ResidentSavedBytes`, which reads storage sizes and not SmartSwap's bookkeeping.
+* :func:`dynamic_rows`: a schedule of sequence lengths drawn at random, with and without the
+  plan cache: planned / conservative / profiling steps, peak against each length's budget, and
+  step time against the same model without SmartSwap.
 
 Rows are plain dicts so that the CLI can print them as a table or JSON.
 """
 
 from __future__ import annotations
 
+import copy
+import random
 import statistics
 import time
 import weakref
+
 import torch
 from torch import nn
 
 from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
 from swap_pass.smart.profiler import LightweightProfiler, now, state_storage_ptrs
-from swap_pass.smart.smart_swap import SmartSwap
+from swap_pass.smart.smart_swap import SmartSwap, SmartSwapConfig
+from swap_pass.smart.stages import Stage
 
-__all__ = ["BENCH_CONFIG", "ResidentSavedBytes", "budget_rows", "profiler_overhead_rows"]
+__all__ = ["BENCH_CONFIG", "ResidentSavedBytes", "budget_rows", "dynamic_rows", "length_schedule",
+           "profiler_overhead_rows", "step_kind"]
 
 BENCH_CONFIG = LlamaConfig(hidden_size=256, num_layers=4, num_heads=8, intermediate_size=704)
 
@@ -219,3 +227,103 @@ def budget_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2, seq: int = 2
                          "swapped_bytes": report.swapped_bytes,
                          "step_ms": round((now() - t0) * 1e3, 3)})
     return rows
+
+
+def length_schedule(lengths: tuple[int, ...], steps: int, seed: int = 0) -> list[int]:
+    """``steps`` sequence lengths drawn uniformly from ``lengths`` (seeded)."""
+    rng = random.Random(seed)
+    return [rng.choice(lengths) for _ in range(steps)]
+
+
+def step_kind(stage: Stage, report) -> str:
+    """``"profiling"`` (detailed profiler), ``"conservative"`` (warmup, or fell back mid-step)
+    or ``"planned"`` (ran a plan to its end)."""
+    if stage == Stage.GEN_POLICY:
+        return "profiling"
+    if stage == Stage.WARMUP or report.fell_back:
+        return "conservative"
+    return "planned"
+
+
+def dynamic_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2,
+                 lengths: tuple[int, ...] = (128, 160, 192, 224, 256), steps: int = 50,
+                 fraction: float = 0.25, seed: int = 0, threads: int | None = 1) -> list[dict]:
+    """A varying-length schedule under SmartSwap, with the plan cache and without it.
+
+    Each step draws its sequence length from ``lengths``; its budget is ``fraction`` x the
+    unswapped peak at that length (measured by :class:`ResidentSavedBytes`). Every step also
+    runs on an unswapped copy of the model, right before, for the step-time ratio.
+
+    Args:
+        cfg: Model sizes. Default: :data:`BENCH_CONFIG`.
+        batch: Sequences per step. Default: ``2``.
+        lengths: The lengths drawn from. Default: ``(128, 160, 192, 224, 256)``.
+        steps: Steps per variant. Default: ``50``.
+        fraction: Budget per length, of its unswapped peak. Default: ``0.25``.
+        seed: Weights, batches and schedule. Default: ``0``.
+        threads: Intra-op threads during the run (restored after). Default: ``1``.
+
+    Returns:
+        One row per variant (``plan_cache_size`` 8 and 0): ``planned``, ``conservative``,
+        ``profiling`` step counts; ``over_budget`` (planned steps whose peak passed the
+        budget); ``max_peak_over_budget`` and ``peak_over_budget`` (per step, peak / budget);
+        ``step_ms`` and ``plain_step_ms`` (medians, CPU time) and ``ratio_vs_none`` (median
+        of the per-step ratios), ``cache`` (hits, misses, evictions, derived).
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return [_dynamic_row(cfg, batch, lengths, steps, fraction, seed, size) for size in (8, 0)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict:
+    torch.manual_seed(seed)
+    model = LlamaStyleModel(cfg)
+    plain = copy.deepcopy(model)
+    seqs = length_schedule(lengths, steps, seed)
+    batches = {n: make_batch(cfg, batch, n, seed=seed) for n in set(seqs)}
+    budgets = {n: int(fraction * _unswapped_peak(plain, b)) for n, b in batches.items()}
+    tick = _CLOCKS["cpu"]
+    rows = []
+    with SmartSwap(model, memory_budget=fraction, config=SmartSwapConfig(plan_cache_size=cache_size)) as smart:
+        for n in seqs:
+            with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                t0 = tick()
+                _train_step(plain, batches[n])
+                plain_s = tick() - t0
+            stage = smart.stage
+            t0 = tick()
+            with ResidentSavedBytes(model) as counter:
+                _train_step(model, batches[n])
+            smart.step()
+            rows.append((n, step_kind(stage, smart.last_report), counter.peak, tick() - t0, plain_s))
+        cache = smart.plan_cache.stats() if smart.plan_cache is not None else None
+    return _dynamic_summary(rows, budgets, cache_size, cache)
+
+
+def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:
+    kinds = [k for _, k, _, _, _ in rows]
+    ratios = [round(peak / budgets[n], 3) for n, _, peak, _, _ in rows]
+    planned = [r for r, k in zip(ratios, kinds) if k == "planned"]
+    return {
+        "name": f"varying length, plan_cache_size={cache_size}",
+        "steps": len(rows), "lengths": sorted(budgets),
+        **{k: kinds.count(k) for k in ("planned", "conservative", "profiling")},
+        "over_budget": sum(r > 1 for r in planned),
+        "max_peak_over_budget": max(ratios),
+        "max_planned_peak_over_budget": max(planned, default=None),
+        "step_ms": round(statistics.median(t for *_, t, _ in rows) * 1e3, 3),
+        "plain_step_ms": round(statistics.median(p for *_, p in rows) * 1e3, 3),
+        "ratio_vs_none": round(_median_ratio([t for *_, t, _ in rows], [p for *_, p in rows]), 4),
+        "cache": cache, "peak_over_budget": ratios, "kinds": "".join(k[0] for k in kinds),
+    }
+
+
+def _unswapped_peak(model: nn.Module, batch) -> int:
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        with ResidentSavedBytes(model) as counter:
+            _train_step(model, batch)
+    return counter.peak

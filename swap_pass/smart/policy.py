@@ -19,12 +19,14 @@ The result, :class:`SwapPolicy`, only tags entries; the executor reads the tags.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 
 from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife
 from swap_pass.smart.simulator import SimResult, simulate
 
-__all__ = ["PolicyEntry", "SwapPolicy", "gen_policy", "prefetch_ticks", "replay_peak"]
+__all__ = ["PolicyEntry", "SwapPolicy", "free_ticks", "gen_policy", "prefetch_ticks", "replay_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class PolicyEntry:
         group: Logical layer it belongs to.
         storage: Storage ordinal in the profiled step (-1: model state or not swappable).
         swap: Whether its storage leaves the device once nothing else holds it.
+        cls: Structure key (see :class:`~swap_pass.smart.profiler.SavedRecord`).
     """
 
     index: int
@@ -50,6 +53,7 @@ class PolicyEntry:
     group: int
     storage: int
     swap: bool
+    cls: int = 0
 
 
 @dataclasses.dataclass
@@ -71,6 +75,8 @@ class SwapPolicy:
         swapped: Storage ordinals chosen.
         keys: Feature keys in forward order (what the lightweight signature is compared to).
         signature: Hash of ``keys``.
+        overlap_groups: Logical layers a device-to-host copy may run before the forward waits
+            for it (see Note: [Waiting for a copy a logical layer later] in executor.py).
     """
 
     budget_bytes: int
@@ -87,6 +93,12 @@ class SwapPolicy:
     swapped: list[int]
     keys: list[int]
     signature: int
+    overlap_groups: int = 0
+
+    @functools.cached_property
+    def class_keys(self) -> list[int]:
+        """Structure keys in forward order (shapes left out)."""
+        return [e.cls for e in self.entries]
 
     @property
     def swap_bytes(self) -> int:
@@ -100,7 +112,8 @@ class SwapPolicy:
             f"{len(self.swapped)}/{len(self.candidates)} candidate storages; budget "
             f"{self.budget_bytes} B; peak {self.unswapped_peak} B -> {self.predicted_peak} B "
             f"({'within' if self.feasible else 'OVER'} budget); prefetch depth "
-            f"{self.prefetch_depth} group(s); predicted stall {self.predicted.stall_s * 1e3:.3f} ms"
+            f"{self.prefetch_depth} group(s); copies waited {self.overlap_groups} group(s) later; "
+            f"predicted stall {self.predicted.stall_s * 1e3:.3f} ms"
         )
 
 
@@ -128,20 +141,48 @@ def prefetch_ticks(profile: DetailedProfile, depth: int, groups: int) -> dict[in
     return out
 
 
-def _intervals(life: StorageLife, swapped: bool, back_in: int | None, end: int) -> list[tuple[int, int]]:
+def free_ticks(profile: DetailedProfile, groups: int, overlap: int) -> dict[int, int]:
+    """For each storage that can leave in forward: the tick its device copy is freed when the
+    executor waits for its copy ``overlap`` logical layers after the one it started in (at the
+    first saved tensor of that layer, or at the start of backward)."""
+    n = len(profile.records)
+    starts: list[int] = []
+    for i, rec in enumerate(profile.records):  # first pack tick of each group
+        if _group_of_record(i, n, groups) == len(starts):
+            starts.append(rec.tick)
+    last = profile.backward_tick if profile.backward_tick is not None else profile.end_tick
+    out = {}
+    for ordinal, life in enumerate(profile.storages):
+        if life.released is None:
+            continue
+        due = bisect.bisect_right(starts, life.released) - 1 + overlap
+        free = starts[due] if due < len(starts) else last
+        out[ordinal] = max(min(free, last), life.released)
+    return out
+
+
+def _intervals(life: StorageLife, swapped: bool, back_in: int | None, end: int,
+               free: int | None) -> list[tuple[int, int]]:
     drop = life.dropped if life.dropped is not None else end + 1
     if not swapped:
         return [(life.packed, drop)]
-    return [(life.packed, life.released), (back_in, drop)]
+    return [(life.packed, free if free is not None else life.released), (back_in, drop)]
 
 
-def replay_peak(profile: DetailedProfile, swapped: set[int], depth: int, groups: int) -> tuple[int, int]:
-    """Resident activation bytes over the profiled step for a swap choice: (peak, tick of peak)."""
+def replay_peak(profile: DetailedProfile, swapped: set[int], depth: int, groups: int,
+                overlap: int = 0) -> tuple[int, int]:
+    """Resident activation bytes over the profiled step for a swap choice: (peak, tick of peak).
+
+    ``overlap``: logical layers each device-to-host copy runs before its storage is freed
+    (:func:`free_ticks`); ``0`` frees at release.
+    """
     back = prefetch_ticks(profile, depth, groups)
+    free = free_ticks(profile, groups, overlap) if overlap else {}
     events: list[tuple[int, int]] = []
     for ordinal, life in enumerate(profile.storages):
         back_in = back[ordinal][0] if ordinal in back else None
-        for start, stop in _intervals(life, ordinal in swapped, back_in, profile.end_tick):
+        for start, stop in _intervals(life, ordinal in swapped, back_in, profile.end_tick,
+                                      free.get(ordinal)):
             events.append((start, life.nbytes))
             events.append((stop, -life.nbytes))
     events.sort(key=lambda e: (e[0], e[1]))
@@ -158,7 +199,7 @@ def memory_reduction_list(profile: DetailedProfile, budget: int) -> list[tuple[i
     """Runs of ticks where the unswapped resident bytes pass ``budget``: (first, last, max excess)."""
     events = []
     for life in profile.storages:
-        for start, stop in _intervals(life, False, None, profile.end_tick):
+        for start, stop in _intervals(life, False, None, profile.end_tick, None):
             events += [(start, life.nbytes), (stop, -life.nbytes)]
     events.sort()
     runs: list[tuple[int, int, int]] = []
@@ -188,17 +229,18 @@ def candidate_list(profile: DetailedProfile, min_swap_bytes: int) -> list[int]:
 # --- greedy choice --------------------------------------------------------------------------------
 
 
-def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int, groups: int) -> set[int]:
+def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int, groups: int,
+            overlap: int = 0) -> set[int]:
     """Cover the replayed peak until it fits: at the peak tick, take the largest candidates that
     are off the device there until their bytes cover the excess, then replay again."""
     back = prefetch_ticks(profile, depth, groups)
+    free = free_ticks(profile, groups, overlap)
     chosen: set[int] = set()
     while True:
-        peak, tick = replay_peak(profile, chosen, depth, groups)
+        peak, tick = replay_peak(profile, chosen, depth, groups, overlap)
         if peak <= budget:
             return chosen
-        covering = [c for c in cands if c not in chosen
-                    and profile.storages[c].released <= tick < back[c][0]]
+        covering = [c for c in cands if c not in chosen and free[c] <= tick < back[c][0]]
         if not covering:
             return chosen
         covering.sort(key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
@@ -232,18 +274,21 @@ def _simulate(profile, chosen, groups, depth, fwd_fraction, d2h_bw, h2d_bw) -> S
                     prefetch_depth=depth)
 
 
-def _choose(profile, budget, cands, groups, max_depth, sim_args) -> tuple[set[int], int, int, SimResult]:
-    """Greedy choice at each prefetch depth; keep the best: within budget, least stall, fewest
-    bytes moved, shallowest. Returns (chosen storages, depth, replayed peak, prediction)."""
+def _choose(profile, budget, cands, groups, max_depth, max_overlap, sim_args):
+    """Greedy choice at each copy overlap and prefetch depth; keep the best: within budget (else
+    the lowest peak), then the longest overlap, least stall, fewest bytes moved, shallowest.
+    Returns (chosen storages, depth, overlap, replayed peak, prediction)."""
     best, best_rank = None, None
-    for depth in range(0, max_depth + 1):
-        chosen = _greedy(profile, budget, cands, depth, groups)
-        peak, _ = replay_peak(profile, chosen, depth, groups)
-        sim = _simulate(profile, chosen, groups, depth, *sim_args)
-        moved = sum(profile.storages[c].nbytes for c in chosen)
-        rank = (peak > budget, peak if peak > budget else 0, round(sim.stall_s, 9), moved, depth)
-        if best_rank is None or rank < best_rank:
-            best, best_rank = (chosen, depth, peak, sim), rank
+    for overlap in range(max_overlap, -1, -1):
+        for depth in range(0, max_depth + 1):
+            chosen = _greedy(profile, budget, cands, depth, groups, overlap)
+            peak, _ = replay_peak(profile, chosen, depth, groups, overlap)
+            sim = _simulate(profile, chosen, groups, depth, *sim_args)
+            moved = sum(profile.storages[c].nbytes for c in chosen)
+            rank = (peak > budget, peak if peak > budget else 0, -overlap, round(sim.stall_s, 9),
+                    moved, depth)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = (chosen, depth, overlap, peak, sim), rank
     return best
 
 
@@ -257,6 +302,7 @@ def gen_policy(
     fwd_fraction: float = 1 / 3,
     d2h_bandwidth: float = 10e9,
     h2d_bandwidth: float = 10e9,
+    max_overlap_groups: int = 0,
 ) -> SwapPolicy:
     """Build a :class:`SwapPolicy` for the profiled sequence under ``budget_bytes``.
 
@@ -269,11 +315,14 @@ def gen_policy(
         fwd_fraction: Share of compute in forward. Default: ``1/3``.
         d2h_bandwidth: Bytes/s device to host. Default: ``10e9``.
         h2d_bandwidth: Bytes/s host to device. Default: ``10e9``.
+        max_overlap_groups: Most logical layers a device-to-host copy may run before the
+            forward waits for it; the longest that fits the budget is taken. Default: ``0``.
     """
     groups = max(1, min(num_groups, len(profile.records) or 1))
     cands = candidate_list(profile, min_swap_bytes)
     sim_args = (fwd_fraction, d2h_bandwidth, h2d_bandwidth)
-    chosen, depth, peak, sim = _choose(profile, budget_bytes, cands, groups, max_prefetch_depth, sim_args)
+    chosen, depth, overlap, peak, sim = _choose(profile, budget_bytes, cands, groups,
+                                                max_prefetch_depth, max_overlap_groups, sim_args)
     entries = _entries(profile.records, profile.storages, chosen, groups)
     return SwapPolicy(
         budget_bytes=budget_bytes, entries=entries,
@@ -282,6 +331,7 @@ def gen_policy(
         predicted_peak=peak, predicted=sim, feasible=peak <= budget_bytes,
         memory_reduction=memory_reduction_list(profile, budget_bytes), candidates=cands,
         swapped=sorted(chosen), keys=profile.keys, signature=hash(tuple(profile.keys)),
+        overlap_groups=overlap,
     )
 
 
@@ -292,7 +342,7 @@ def _entries(records: list[SavedRecord], storages: list[StorageLife], chosen: se
         PolicyEntry(index=r.index, key=r.key, op=r.op, fqn=r.fqn,
                     nbytes=storages[r.storage].nbytes if r.storage >= 0 else r.nbytes,
                     group=_group_of_record(r.index, n, groups), storage=r.storage,
-                    swap=r.storage in chosen)
+                    swap=r.storage in chosen, cls=r.cls)
         for r in records
     ]
 

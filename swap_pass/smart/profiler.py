@@ -41,8 +41,12 @@ def op_name(tensor: torch.Tensor) -> str:
     return "leaf" if fn is None else type(fn).__name__
 
 
-def feature_key(op: str, fqn: str, dtype: torch.dtype, shape: tuple, is_state: bool) -> int:
-    """The integer key of one saved tensor: what fuzzy matching and the signature compare."""
+def feature_key(op: str, fqn: str, dtype: torch.dtype, shape: tuple | int, is_state: bool) -> int:
+    """The integer key of one saved tensor: what fuzzy matching and the signature compare.
+
+    With ``shape`` an ``int`` (the number of dimensions) it is the *structure* key, which
+    stays the same when the sequence length or batch size changes.
+    """
     return hash((op, fqn, dtype, shape, is_state))  # torch.Size hashes like the tuple it is
 
 
@@ -123,6 +127,9 @@ class SavedRecord:
         key: :func:`feature_key` of the features above.
         storage: Ordinal of its storage in the step, or -1 for model state / non-swappable.
         bwd_order: Rank of its first unpack in backward, or -1 if never unpacked.
+        cls: Structure key: :func:`feature_key` with the number of dimensions in place of the
+            shape, equal across sequence lengths and batch sizes.
+        tick: Tick of its pack.
     """
 
     index: int
@@ -134,6 +141,8 @@ class SavedRecord:
     key: int
     storage: int = -1
     bwd_order: int = -1
+    cls: int = 0
+    tick: int = 0
 
 
 @dataclasses.dataclass

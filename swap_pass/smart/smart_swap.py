@@ -11,18 +11,32 @@ Steps run in one of three stages (``smart.stage``; history in ``smart.stage_log`
 and ``gen_policy`` swap conservatively (every eligible activation leaves once only autograd
 holds it), ``gen_policy`` also records a detailed profile from which ``smart.policy`` is built;
 ``stable`` follows the policy and compares each step's lightweight signature with the plan's.
+
+Plans are cached by signature (``SmartSwapConfig.plan_cache_size``): a stable step whose shape
+was planned before switches to that plan at its first changed saved tensor, a new length of
+the same structure runs the plan of the nearest longer one, and a stable step with no plan
+records its own profile, from which its plan is made at ``step()``. So after the first plan no
+step re-profiles; ``plan_cache_size=0`` re-profiles at every change instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime import register_reset_hook
-from swap_pass.smart.executor import ExecMode, SmartExecutor, StepReport, measure_copy_bandwidth
+from swap_pass.smart.executor import (
+    ExecMode,
+    MicroBatchReport,
+    SmartExecutor,
+    StepReport,
+    measure_copy_bandwidth,
+)
+from swap_pass.smart.plan_cache import PlanCache
 from swap_pass.smart.policy import SwapPolicy, gen_policy, replay_peak
 from swap_pass.smart.profiler import (
     DetailedProfile,
@@ -57,6 +71,12 @@ class SmartSwapConfig:
         h2d_bandwidth: Bytes/s; the measured d2h figure when None. Default: ``None``.
         callsite_depth: Depth of the modules whose name is the call-site feature (``2``:
             ``"layers.1"``); ``None`` for every module. Default: ``2``.
+        plan_cache_size: Plans kept, one per operator sequence (least recently used dropped
+            first); ``0`` keeps only the current plan and re-profiles at every change.
+            Default: ``8``.
+        d2h_overlap_groups: Most logical layers a device-to-host copy runs before the forward
+            waits for it and frees its storage; the policy takes the longest that fits the
+            budget. Default: ``2``.
         swap: Runtime knobs (host cap, streams, pinning) for the groups. Default: ``SwapConfig()``.
     """
 
@@ -71,10 +91,13 @@ class SmartSwapConfig:
     d2h_bandwidth: float | None = None
     h2d_bandwidth: float | None = None
     callsite_depth: int | None = 2
+    plan_cache_size: int = 8
+    d2h_overlap_groups: int = 2
     swap: SwapConfig = dataclasses.field(default_factory=SwapConfig)
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "min_swap_bytes", "max_prefetch_depth"):
+        for name in ("warmup_steps", "min_swap_bytes", "max_prefetch_depth", "plan_cache_size",
+                     "d2h_overlap_groups"):
             _check(name, getattr(self, name), getattr(self, name) >= 0, ">= 0")
         for name in ("num_groups", "match_window", "miss_limit"):
             _check(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
@@ -120,6 +143,12 @@ class SmartSwap:
         last_profile: The latest :class:`DetailedProfile`.
         last_report: The :class:`StepReport` of the latest step.
         steps: Steps completed (calls to :meth:`step`).
+        plan_cache: The :class:`~swap_pass.smart.plan_cache.PlanCache` (``hits``, ``misses``,
+            ``evictions``, ``derived``), or None with ``plan_cache_size=0``.
+
+    Raises:
+        RuntimeError: on entering inside another active ``SmartSwap`` (saved-tensor hooks do
+            not nest per model: only the innermost would run).
     """
 
     def __init__(self, model: nn.Module, *, memory_budget: int | float,
@@ -143,6 +172,11 @@ class SmartSwap:
         self._bandwidth: tuple[float, float] | None = None
         self._tracker: FeatureTracker | None = None
         self._hooks = None
+        size = config.plan_cache_size
+        self.plan_cache = PlanCache(size, config.signature_threshold) if size else None
+        self._executor.record_planned = size > 0
+        self._executor.candidates = self.plan_cache.plans if size else tuple
+        self._warned_infeasible = False
 
     # --- public -------------------------------------------------------------------------------
 
@@ -164,6 +198,13 @@ class SmartSwap:
     def __enter__(self) -> SmartSwap:
         if self._hooks is not None:
             raise RuntimeError("swap_pass.SmartSwap: entered twice. It must be entered once at a time.")
+        if _active:
+            raise RuntimeError(
+                f"swap_pass.SmartSwap: entered inside another SmartSwap (over "
+                f"{type(_active[-1].model).__name__}). Saved-tensor hooks do not nest per model: "
+                "only the innermost would run and the outer one would record nothing. One "
+                "SmartSwap must be active at a time; give it one module that holds both models."
+            )
         self._tracker = FeatureTracker(self.model, self.config.callsite_depth)
         self._tracker.post_forward_callbacks.append(self._executor.poll)
         self._executor.fqn = lambda: self._tracker.fqn
@@ -201,8 +242,13 @@ class SmartSwap:
         if self.stage == Stage.GEN_POLICY:
             self.last_profile = report.profile
             self.policy = self._plan(report.profile)
+            if self.plan_cache is not None:
+                self.plan_cache.put(self.policy)
             self._absorbed.clear()
             built = True
+        elif self.stage == Stage.STABLE and self.plan_cache is not None:
+            for unit in report.units:
+                self._settle(unit)
         elif self.stage == Stage.STABLE:
             distance = self._distance(report)
         self._controller.end_step(self.steps, policy_built=built, distance=distance)
@@ -219,6 +265,41 @@ class SmartSwap:
         self._executor.begin_step(_MODE[stage], self.policy if stage == Stage.STABLE else None)
         self._t0 = now()
 
+    def _settle(self, unit: MicroBatchReport) -> None:
+        """After a stable micro-batch: log how its plan was found, or make one from its profile."""
+        if not unit.keys:
+            return
+        cache, signature = self.plan_cache, hash(tuple(unit.keys))
+        found = cache.find(signature, unit.keys)
+        if unit.by_structure and not unit.fell_back:
+            cache.derived += 1
+        if found is not None:
+            plan, distance = found
+            if unit.switched and not unit.by_structure and unit.plan is plan:
+                cache.hits += 1
+                self._note(f"plan cache hit: ran the plan cached for this sequence "
+                           f"({len(plan.keys)} saved tensors) from its first step")
+            elif distance > 0 and signature not in self._absorbed:
+                self._absorbed.add(signature)
+                self._note(f"small change absorbed: distance {distance:.3f} <= "
+                           f"{self.config.signature_threshold:.3f}")
+        elif unit.profile is not None:
+            cache.misses += 1
+            evictions = cache.evictions
+            plan = self._plan(unit.profile)
+            cache.put(plan)
+            how = ("ran the plan of a longer sequence of the same structure" if unit.by_structure
+                   and not unit.fell_back else "fell back to conservative" if unit.fell_back
+                   else "ran the plan in force")
+            self._note(f"plan cache miss: {how}; planned from this step's profile "
+                       f"({cache.evictions - evictions} evicted)")
+            found = (plan, 0.0)
+        if found is not None:
+            self.policy = found[0]
+
+    def _note(self, reason: str) -> None:
+        self._controller.note(self.steps, reason)
+
     def _distance(self, report: StepReport) -> float | None:
         if report.signature == self.policy.signature or report.signature in self._absorbed:
             return None
@@ -230,9 +311,14 @@ class SmartSwap:
     def _plan(self, profile: DetailedProfile) -> SwapPolicy:
         d2h, h2d = self._bandwidths()
         c = self.config
-        return gen_policy(profile, self._budget_bytes(profile), num_groups=c.num_groups,
-                          min_swap_bytes=c.min_swap_bytes, max_prefetch_depth=c.max_prefetch_depth,
-                          fwd_fraction=c.fwd_fraction, d2h_bandwidth=d2h, h2d_bandwidth=h2d)
+        policy = gen_policy(profile, self._budget_bytes(profile), num_groups=c.num_groups,
+                            min_swap_bytes=c.min_swap_bytes, max_prefetch_depth=c.max_prefetch_depth,
+                            fwd_fraction=c.fwd_fraction, d2h_bandwidth=d2h, h2d_bandwidth=h2d,
+                            max_overlap_groups=c.d2h_overlap_groups)
+        if not policy.feasible and not self._warned_infeasible:
+            self._warned_infeasible = True
+            warnings.warn(_infeasible_message(self.memory_budget, policy), RuntimeWarning, stacklevel=3)
+        return policy
 
     def _budget_bytes(self, profile: DetailedProfile) -> int:
         if isinstance(self.memory_budget, float):
@@ -248,6 +334,16 @@ class SmartSwap:
                 d2h = measure_copy_bandwidth(device)
             self._bandwidth = (d2h, c.h2d_bandwidth or d2h)
         return self._bandwidth
+
+
+def _infeasible_message(budget: int | float, policy: SwapPolicy) -> str:
+    asked = f"{budget} B" if isinstance(budget, int) else f"{budget} ({policy.budget_bytes} B here)"
+    return (
+        f"swap_pass.SmartSwap: memory_budget={asked} cannot be met: the best reachable peak of "
+        f"saved activations is {policy.predicted_peak} B (unswapped {policy.unswapped_peak} B; "
+        f"what stays is not swappable or is read again before it could leave). SmartSwap runs "
+        "that best plan; smart.policy.feasible is False for such plans. Warned once."
+    )
 
 
 def _check_budget(budget) -> None:

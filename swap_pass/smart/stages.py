@@ -95,6 +95,10 @@ class StageController:
         return self._move(step, Stage.STABLE,
                           f"small change absorbed: distance {distance:.3f} <= {self.threshold:.3f}")
 
+    def note(self, step: int, reason: str) -> None:
+        """Log an event of step ``step`` that keeps the stage (a plan cache hit or miss)."""
+        self.log.append(StageEvent(step, self.stage, self.stage, reason))
+
     @property
     def replans(self) -> int:
         """How many times a stable plan was dropped for a new one."""

@@ -189,13 +189,16 @@ def test_smartswap_extra_rows_or_their_skip_reason():
         extra = smart_extra_rows()
         assert extra["status"] == "skipped" and "not available in this build" in extra["reason"]
         return
-    extra = smart_extra_rows(overhead_steps=3)
+    extra = smart_extra_rows(overhead_steps=3, dynamic_steps=4)
     assert extra["status"] == "ok"
     labels = [r["label"] for r in extra["rows"]]
     assert any(label.startswith("profiler overhead: ") for label in labels)
     assert any(label.startswith("budget: ") for label in labels)
-    change, reprofile = [r["data"] for r in extra["rows"] if r["label"] == "budget: smartswap"][-2:]
-    assert change["seq"] == reprofile["seq"] == 384 and change["stage"] == "stable"
-    # The change step falls back and then peaks where a conservative step does, within budget.
+    change, after = [r["data"] for r in extra["rows"] if r["label"] == "budget: smartswap"][-2:]
+    assert change["seq"] == after["seq"] == 384 and change["stage"] == "stable"
+    # The change step falls back (no plan is as long) within budget; the next step runs the plan
+    # made from the change step's own profile.
     assert change["fell_back"] and change["within_budget"]
-    assert change["peak_bytes"] == reprofile["peak_bytes"]
+    assert after["stage"] == "stable" and not after["fell_back"] and after["within_budget"]
+    dynamic = [r["data"] for r in extra["rows"] if r["label"].startswith("dynamic: ")]
+    assert [d["steps"] for d in dynamic] == [4, 4] and dynamic[0]["profiling"] == 1

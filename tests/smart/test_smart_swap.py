@@ -17,49 +17,7 @@ from swap_pass import SmartSwap, SwapConfig
 from swap_pass.models import make_batch
 from swap_pass.smart import SmartSwapConfig, Stage
 
-from .helpers import SavedBytesCounter, tiny_model
-
-BATCH, SEQ = 2, 32
-
-
-def _no_hooks():
-    """Run the reference model with no saved-tensor hooks, even inside SmartSwap's context."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-
-
-class Pair:
-    """A model under SmartSwap and its unswapped twin, stepped together and compared exactly."""
-
-    def __init__(self, device="cpu", recompute=False, **cfg) -> None:
-        self.model = tiny_model(**cfg).to(device)
-        self.model.recompute = recompute
-        self.ref = copy.deepcopy(self.model)
-        self.device = device
-
-    def step(self, smart: SmartSwap, seq: int = SEQ, batch: int = BATCH, seed: int = 0) -> SavedBytesCounter:
-        ids, labels = make_batch(self.model.cfg, batch, seq, seed=seed, device=self.device)
-        with _no_hooks():
-            ref_loss = self.ref(ids, labels)
-            ref_loss.backward()
-        with SavedBytesCounter(self.model) as counter:
-            loss = self.model(ids, labels)
-            counter.sample()
-            loss.backward()
-        assert torch.equal(loss, ref_loss)
-        for p, q in zip(self.model.parameters(), self.ref.parameters()):
-            assert torch.equal(p.grad, q.grad)
-        self.model.zero_grad(set_to_none=True)
-        self.ref.zero_grad(set_to_none=True)
-        smart.step()
-        return counter
-
-
-def _unswapped_peak(pair: Pair, seq: int = SEQ, batch: int = BATCH) -> int:
-    model = copy.deepcopy(pair.model)
-    ids, labels = make_batch(model.cfg, batch, seq, device=pair.device)
-    with SavedBytesCounter(model) as counter:
-        model(ids, labels).backward()
-    return counter.peak
+from .helpers import BATCH, SEQ, Pair, SavedBytesCounter, unswapped_peak as _unswapped_peak
 
 
 def test_budget_of_a_quarter_holds_and_gradients_are_bitwise_equal(device):
@@ -96,10 +54,11 @@ def test_saved_storages_are_really_freed_after_forward():
 
 
 @pytest.mark.slow
-def test_fifty_steps_with_the_sequence_length_changing_every_ten_replan_each_time():
+def test_without_a_plan_cache_fifty_steps_with_the_length_changing_every_ten_replan_each_time():
     pair = Pair()
     seqs = [12, 24, 16, 32, 20]
-    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+    config = SmartSwapConfig(plan_cache_size=0)
+    with SmartSwap(pair.model, memory_budget=0.25, config=config) as smart:
         stable_peaks = []
         for step in range(50):
             stage, policy = smart.stage, smart.policy  # the plan in force for this step
@@ -136,17 +95,23 @@ def test_one_inserted_op_is_absorbed_by_fuzzy_matching_without_a_replan():
     assert any("absorbed" in e.reason for e in smart.stage_log)
 
 
-def test_a_large_change_replans():
+@pytest.mark.parametrize("cache", [8, 0], ids=["plan_cache", "no_cache"])
+def test_a_large_change_replans(cache):
     pair = Pair()
-    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+    config = SmartSwapConfig(plan_cache_size=cache)
+    with SmartSwap(pair.model, memory_budget=0.25, config=config) as smart:
         for s in range(3):
             pair.step(smart, seed=s)
-        pair.step(smart, batch=4, seed=3)  # every activation shape changes
+        pair.step(smart, batch=4, seed=3)  # every activation shape grows: no plan fits
         assert smart.last_report.fell_back
-        assert smart.stage == Stage.GEN_POLICY and smart.replans == 1
-        pair.step(smart, batch=4, seed=4)
+        if cache:  # planned from the change step's own profile, no profiling step
+            assert smart.stage == Stage.STABLE and smart.plan_cache.misses == 1
+        else:
+            assert smart.stage == Stage.GEN_POLICY and smart.replans == 1
+            pair.step(smart, batch=4, seed=4)
         pair.step(smart, batch=4, seed=5)
         assert smart.stage == Stage.STABLE and smart.last_report.unmatched == 0
+        assert not smart.last_report.fell_back
 
 
 def test_a_scrambled_plan_costs_memory_never_data():
