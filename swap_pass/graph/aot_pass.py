@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 from torch import fx
@@ -34,8 +35,9 @@ from torch import fx
 from swap_pass.config import SwapConfig
 from swap_pass.graph import ops  # noqa: F401  (registers torch.ops.swap_pass.*)
 from swap_pass.graph.boundaries import LayerFilter, find_layers
+from swap_pass.graph.budget import Budget, CostModel, choose_swaps
 
-__all__ = ["SwappedTensor", "swap_saved_layer_inputs"]
+__all__ = ["SwappedTensor", "swap_saved_layer_inputs", "swap_within_budget"]
 
 log = logging.getLogger(__name__)
 _OPS = torch.ops.swap_pass
@@ -86,23 +88,55 @@ def _set_val(node: fx.Node, val: torch.Tensor) -> None:
         node.meta.pop("tensor_meta", None)
 
 
-def _candidates(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter, config: SwapConfig):
-    """(layer, node) pairs of saved layer inputs worth swapping, in forward order."""
+def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[set, set]:
     outputs = list(fw.graph.find_nodes(op="output")[0].args[0])
-    user_outputs, saved = set(outputs[:num_fwd_outputs]), set(outputs[num_fwd_outputs:])
+    return set(outputs[:num_fwd_outputs]), set(outputs[num_fwd_outputs:])
+
+
+def _swappable_bytes(x: fx.Node | None, saved: set, user_outputs: set,
+                     config: SwapConfig) -> int | None:
+    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``."""
+    val = None if x is None else _tensor_val(x)
+    if val is None or x not in saved or x in user_outputs or x.op == "placeholder":
+        return None
+    nbytes = val.numel() * val.element_size() if _static(val.shape) else None
+    if nbytes == 0 or (nbytes is not None and nbytes < config.min_swap_bytes):
+        return None
+    if not (_contiguous(val) or (_static(val.shape) and _static(val.stride()))):
+        return None
+    return nbytes or 0
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A saved tensor to swap and where its waits and prefetch go.
+
+    ``wait_after``: forward nodes the D2H wait must follow (besides ``node``'s readers);
+    ``prefetch_before``: the backward node its H2D copy starts before, or ``None`` for one layer
+    ahead (``next_layer``'s first backward node).
+    """
+
+    node: fx.Node
+    layer: str
+    nbytes: int
+    wait_after: list[fx.Node]
+    prefetch_before: fx.Node | None = None
+    next_layer: str | None = None
+
+
+def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
+                  config: SwapConfig) -> tuple[list[_Planned], int]:
+    """Saved layer inputs worth swapping, in forward order, and how many layers the graph holds."""
+    user_outputs, saved = _saved(fw, num_fwd_outputs)
     layers = find_layers(fw, layer_filter, api="swap_backend")
     picked = []
     for layer, nxt in zip(layers, layers[1:]):
-        x, val = layer.input, layer.input is not None and _tensor_val(layer.input)
-        if x is None or val is None or x not in saved or x in user_outputs or x.op == "placeholder":
-            continue
-        nbytes = val.numel() * val.element_size() if _static(val.shape) else None
-        if nbytes == 0 or (nbytes is not None and nbytes < config.min_swap_bytes):
-            continue
-        if not (_contiguous(val) or (_static(val.shape) and _static(val.stride()))):
-            continue
-        picked.append((layer, nxt, nbytes or 0))
-    return picked
+        nbytes = _swappable_bytes(layer.input, saved, user_outputs, config)
+        if nbytes is not None:
+            anchor = [nxt.input] if nxt.input is not None else []
+            picked.append(_Planned(layer.input, layer.boundary.fqn, nbytes, anchor,
+                                   next_layer=nxt.boundary.fqn))
+    return picked, len(layers)
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -114,21 +148,41 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
     return max([*nodes, last_placeholder], key=index.__getitem__)
 
 
-def _rewrite_forward(fw: fx.GraphModule, picked, config: SwapConfig) -> None:
+def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """The last tensor computed before ``node`` (not a graph input): what it must wait for."""
+    cur = node.prev
+    while cur.op != "root":
+        if cur.op == "call_function" and _tensor_val(cur) is not None:
+            return cur
+        cur = cur.prev
+    return None
+
+
+def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node,
+                 after: bool) -> fx.Node:
+    """``wait(t, keepalive, dep)`` after/before ``where``, ``dep`` the tensor computed just before it."""
+    ctx = graph.inserting_after(where) if after else graph.inserting_before(where)
+    with ctx:
+        node = graph.call_function(_OPS.wait.default, (t, keepalive, None))
+    dep = _last_tensor_before(graph, node)
+    if dep is not None and dep not in (t, keepalive):
+        node.update_arg(2, dep)
+    _set_val(node, t.meta["val"])
+    return node
+
+
+def _rewrite_forward(fw: fx.GraphModule, planned: list[_Planned], config: SwapConfig) -> None:
     graph, output = fw.graph, fw.graph.find_nodes(op="output")[0]
     cap = -1 if config.max_host_bytes is None else config.max_host_bytes
     replace = {}
-    for layer, nxt, _ in picked:
-        x = layer.input
+    for p in planned:
+        x = p.node
         with graph.inserting_after(_after_all(graph, [x])):
             host = graph.call_function(_OPS.swap_out.default, (x, cap, config.use_streams))
         _set_val(host, _host_val(x.meta["val"]))
         readers = [u for u in x.users if u is not host and u is not output]
-        anchor = [nxt.input] if nxt.input is not None else []
-        with graph.inserting_after(_after_all(graph, readers + anchor + [host])):
-            waited = graph.call_function(_OPS.wait.default, (host, x))
-        _set_val(waited, host.meta["val"])
-        replace[x] = waited
+        replace[x] = _insert_wait(graph, host, x, _after_all(graph, readers + p.wait_after + [host]),
+                                  after=True)
     outs = output.args[0]
     output.update_arg(0, type(outs)(replace.get(n, n) if isinstance(n, fx.Node) else n for n in outs))
 
@@ -155,33 +209,50 @@ def _restore_node(graph: fx.Graph, ph: fx.Node, val: torch.Tensor, first: fx.Nod
     with graph.inserting_before(start):
         dev = graph.call_function(_OPS.prefetch.default, args)
     _set_val(dev, val)
-    with graph.inserting_before(first):
-        node = graph.call_function(_OPS.wait.default, (dev, ph))
-    _set_val(node, val)
-    return node
+    return _insert_wait(graph, dev, ph, first, after=False)
 
 
-def _rewrite_backward(bw: fx.GraphModule, swapped: list[tuple], layer_filter, config: SwapConfig) -> None:
+def _prefetch_start(p: _Planned, first: fx.Node, bw_layers: dict, index: dict) -> fx.Node:
+    if p.prefetch_before is not None:
+        return min([first, p.prefetch_before], key=index.__getitem__)
+    nxt = bw_layers.get(p.next_layer)
+    return min([first, *(nxt.members if nxt else [])], key=index.__getitem__)
+
+
+def _rewrite_backward(bw: fx.GraphModule, planned: list[_Planned], layer_filter,
+                      config: SwapConfig) -> None:
     graph = bw.graph
     index = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
-    bw_layers = {layer.boundary.fqn: layer for layer in find_layers(bw, layer_filter, api="swap_backend")}
-    for name, _, next_fqn, val in swapped:
-        ph = placeholders[name]
+    bw_layers = {}
+    if config.prefetch and any(p.prefetch_before is None for p in planned):
+        bw_layers = {layer.boundary.fqn: layer
+                     for layer in find_layers(bw, layer_filter, api="swap_backend")}
+    for p in planned:
+        ph, val = placeholders[p.node.name], p.node.meta["val"]
         _set_val(ph, _host_val(val))
         if not ph.users:
             continue
         first = min(ph.users, key=index.__getitem__)
-        start = None
-        if config.prefetch:
-            nxt = bw_layers.get(next_fqn)
-            start = min([first, *(nxt.members if nxt else [])], key=index.__getitem__)
+        start = _prefetch_start(p, first, bw_layers, index) if config.prefetch else None
         restored = _restore_node(graph, ph, val, first, start, config)
         ours = {restored, *restored.all_input_nodes}
         ph.replace_all_uses_with(restored, delete_user_cb=lambda u, ours=ours: u not in ours)
 
 
 # --- entry ------------------------------------------------------------------------------------
+
+
+def _apply(fw: fx.GraphModule, bw: fx.GraphModule, planned: list[_Planned], layer_filter,
+           config: SwapConfig) -> list[SwappedTensor]:
+    if planned:
+        _rewrite_forward(fw, planned, config)
+        _rewrite_backward(bw, planned, layer_filter, config)
+        for gm in (fw, bw):
+            gm.graph.lint()
+            gm.recompile()
+    log.info("swap_pass: swapping %d saved tensors: %s", len(planned), [p.node.name for p in planned])
+    return [SwappedTensor(p.node.name, p.layer, p.nbytes) for p in planned]
 
 
 def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
@@ -199,19 +270,50 @@ def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outp
         config: Runtime knobs. Default: ``SwapConfig()``.
 
     Returns:
-        What was swapped, in forward order (empty when the graphs hold no layers).
+        What was swapped, in forward order (empty when the graphs hold no layers). A graph with
+        layers none of whose inputs is saved (e.g. GPT-2: the partitioner saves LayerNorm's
+        output instead) swaps nothing and warns; budget mode swaps any saved tensor.
     """
     config = config or SwapConfig()
-    picked = _candidates(fw, num_fwd_outputs, layer_filter, config)
-    if not picked:
-        return []
-    swapped = [(layer.input.name, layer.boundary.fqn, nxt.boundary.fqn, layer.input.meta["val"])
-               for layer, nxt, _ in picked]
-    _rewrite_forward(fw, picked, config)
-    _rewrite_backward(bw, swapped, layer_filter, config)
-    for gm in (fw, bw):
-        gm.graph.lint()
-        gm.recompile()
-    log.info("swap_pass: swapping %d saved layer inputs: %s", len(swapped), [s[0] for s in swapped])
-    return [SwappedTensor(name, fqn, nbytes)
-            for (name, fqn, _, _), (_, _, nbytes) in zip(swapped, picked)]
+    planned, num_layers = _layer_inputs(fw, num_fwd_outputs, layer_filter, config)
+    if not planned and num_layers >= 2:
+        warnings.warn(
+            f"swap_pass.swap_backend: the graph holds {num_layers} layers but saves none of their "
+            "inputs for backward, so nothing is swapped (the partitioner saved other tensors, "
+            "e.g. LayerNorm outputs). Use make_swap_backend(memory_budget=...) to swap any saved "
+            "tensor, or checkpoint the layers.", stacklevel=2)
+    return _apply(fw, bw, planned, layer_filter, config)
+
+
+def _owner(gm: fx.GraphModule, node: fx.Node) -> str:
+    from swap_pass.graph.boundaries import _node_modules
+
+    modules = _node_modules(gm, node)
+    return modules[-1][0] if modules else ""
+
+
+def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
+                       budget: Budget, cost: CostModel, config: SwapConfig | None = None
+                       ) -> tuple[list[SwappedTensor], int, int]:
+    """Rewrite a partitioned pair so the predicted peak fits ``budget`` (any saved tensor moves).
+
+    Args:
+        fw, bw, num_fwd_outputs: As for :func:`swap_saved_layer_inputs`.
+        budget: Target peak of the bytes the graphs make (see :mod:`swap_pass.graph.budget`).
+        cost: Copy bandwidth and FLOP rate; measured on the graph's device where ``None``.
+        config: Runtime knobs. Default: ``SwapConfig()``.
+
+    Returns:
+        What was swapped in forward order, the predicted peak without swap, and with it.
+    """
+    config = config or SwapConfig()
+    user_outputs, saved = _saved(fw, num_fwd_outputs)
+    candidates = [(n, nb) for n in saved if isinstance(n, fx.Node)
+                  and (nb := _swappable_bytes(n, saved, user_outputs, config))]
+    device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
+    if device is None:
+        return [], 0, 0
+    choices, before, after = choose_swaps(fw, bw, candidates, budget, cost.resolved(device))
+    planned = [_Planned(c.node, _owner(fw, c.node), c.nbytes, [c.wait_after], c.prefetch_before)
+               for c in choices]
+    return _apply(fw, bw, planned, None, config), before, after

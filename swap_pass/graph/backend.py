@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,8 @@ import torch
 from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs
+from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs, swap_within_budget
+from swap_pass.graph.budget import Budget, CostModel
 from swap_pass.graph.boundaries import LayerFilter
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
@@ -37,22 +39,55 @@ _INNER_NAMES = ("inductor", "aot_eager", "npu")
 
 @dataclasses.dataclass
 class Partition:
-    """One forward/backward pair the backend rewrote (kept for inspection and docs)."""
+    """One forward/backward pair the backend rewrote (kept for inspection and docs).
+
+    Attributes:
+        forward, backward: The rewritten graphs.
+        swapped: What moved to host memory, in forward order.
+        mode: ``"layer_input"`` or ``"budget"``.
+        predicted_peak_without_swap, predicted_peak: Budget mode: the peak of the bytes the
+            graphs make, as the cost model predicts it, before and after the choice (else 0).
+        budget_bytes: Budget mode: the target peak in bytes (else ``None``).
+    """
 
     forward: fx.GraphModule
     backward: fx.GraphModule
     swapped: list[SwappedTensor]
+    mode: str = "layer_input"
+    predicted_peak_without_swap: int = 0
+    predicted_peak: int = 0
+    budget_bytes: int | None = None
+
+    def summary(self) -> str:
+        """One line per swapped tensor, after a line on the mode and the predicted peak."""
+        moved = sum(s.nbytes for s in self.swapped)
+        head = f"{self.mode}: {len(self.swapped)} saved tensors swapped, {moved} bytes"
+        if self.mode == "budget":
+            head += (f"; predicted peak {self.predicted_peak_without_swap} -> {self.predicted_peak}"
+                     f" bytes (budget {self.budget_bytes})")
+        return "\n".join([head, *(f"  {s.name} ({s.layer or 'outside any module'}): {s.nbytes} bytes"
+                                  for s in self.swapped)])
 
 
 def _swap_partition(base: Callable, layer_filter: LayerFilter, config: SwapConfig,
-                    record: list[Partition]) -> Callable:
+                    record: list[Partition], budget: Budget | None, cost: CostModel) -> Callable:
     """Wrap partitioner ``base`` so that its forward/backward pair gets the swap nodes."""
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         fw, bw = base(joint, joint_inputs, **kwargs)
-        swapped = swap_saved_layer_inputs(fw, bw, kwargs["num_fwd_outputs"],
-                                          layer_filter=layer_filter, config=config)
-        record.append(Partition(fw, bw, swapped))
+        n_out = kwargs["num_fwd_outputs"]
+        if budget is None:
+            swapped = swap_saved_layer_inputs(fw, bw, n_out, layer_filter=layer_filter,
+                                              config=config)
+            record.append(Partition(fw, bw, swapped))
+            return fw, bw
+        swapped, before, after = swap_within_budget(fw, bw, n_out, budget=budget, cost=cost,
+                                                    config=config)
+        record.append(Partition(fw, bw, swapped, "budget", before, after, budget.bytes_for(before)))
+        if after > budget.bytes_for(before):
+            warnings.warn(f"swap_pass.swap_backend: memory_budget={budget.value!r} not reached: "
+                          f"predicted peak {before} -> {after} bytes, no saved tensor left whose "
+                          "copies hide behind compute.", stacklevel=2)
         return fw, bw
 
     return partition
@@ -67,13 +102,13 @@ def _min_cut(joint, joint_inputs, **kwargs):
 # --- inner compilers --------------------------------------------------------------------------
 
 
-def _partitioner_uuid(layer_filter: LayerFilter, config: SwapConfig) -> str:
+def _partitioner_uuid(*keys: object) -> str:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from swap_pass.graph import aot_pass, boundaries, ops
+    from swap_pass.graph import aot_pass, boundaries, budget, ops
 
-    files = tuple(m.__file__ for m in (aot_pass, boundaries, ops))
-    return f"{get_hash_for_files(files).hex()}:{layer_filter!r}:{config!r}"
+    files = tuple(m.__file__ for m in (aot_pass, boundaries, budget, ops))
+    return ":".join([get_hash_for_files(files).hex(), *map(repr, keys)])
 
 
 def _make_partitioner(partition: Callable, uuid: str):
@@ -165,8 +200,14 @@ def _check_inner(inner: object) -> None:
 
 
 def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: LayerFilter = None,
-                      config: SwapConfig | None = None) -> Callable:
-    """Build a Dynamo backend that swaps saved layer inputs to host memory.
+                      config: SwapConfig | None = None, memory_budget: int | float | None = None,
+                      cost_model: CostModel | None = None) -> Callable:
+    """Build a Dynamo backend that swaps tensors saved for backward to host memory.
+
+    Two policies: by default (layer-input mode) the saved input of every layer but the last
+    moves; with ``memory_budget`` (budget mode) any saved tensor may move, chosen from the
+    partitioned graphs so that the predicted peak fits the budget and every copy hides behind
+    compute (see :mod:`swap_pass.graph.budget`).
 
     Args:
         inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``,
@@ -178,13 +219,20 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             Default: ``None`` (guess).
         config: Runtime knobs: ``max_host_bytes``, ``prefetch``, ``use_streams``,
             ``min_swap_bytes``. Default: ``SwapConfig()``.
+        memory_budget: Budget mode: the target peak of the bytes a compiled graph makes
+            (activations, temporaries, gradients; not its inputs), as an int number of bytes
+            or a float fraction in (0, 1] of the predicted peak without swap. ``None`` keeps
+            layer-input mode. Default: ``None``.
+        cost_model: Budget mode: copy bandwidth and FLOP rate; what it leaves ``None`` is
+            measured on the graph's device. Default: ``CostModel()``.
 
     Returns:
         A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
         the last rewritten forward/backward pairs (:class:`Partition`) for inspection.
 
     Raises:
-        ValueError: ``inner`` is unknown. RuntimeError: ``"npu"`` without torch_npu/torchair.
+        ValueError: ``inner`` is unknown or ``memory_budget`` is invalid. RuntimeError:
+        ``"npu"`` without torch_npu/torchair.
     """
     import collections
 
@@ -192,12 +240,14 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     config = check_config(config, "make_swap_backend")
     npu = _npu_compiler() if inner == "npu" else None
     record: collections.deque[Partition] = collections.deque(maxlen=16)
-    partition = _swap_partition(_min_cut, layer_filter, config, record)
+    budget = None if memory_budget is None else Budget(memory_budget)
+    cost = cost_model or CostModel()
+    partition = _swap_partition(_min_cut, layer_filter, config, record, budget, cost)
 
     def backend(gm: fx.GraphModule, example_inputs):
         if inner == "inductor":
             return _compile_inductor(gm, example_inputs, partition,
-                                     _partitioner_uuid(layer_filter, config))
+                                     _partitioner_uuid(layer_filter, config, budget, cost))
         if inner == "aot_eager":
             from torch._dynamo.backends.debugging import boxed_nop
 

@@ -232,7 +232,9 @@ def _(host, device, size, stride, use_streams=True):
 # --- wait -------------------------------------------------------------------------------------
 
 _lib = torch.library.Library("swap_pass", "FRAGMENT")
-_lib.define("wait(Tensor(a) t, Tensor? keepalive=None) -> Tensor(a)")
+# ``after``: a tensor computed at the wait's planned position, so that no scheduler runs the
+# wait before the compute its copy hides behind (the wait itself ignores it).
+_lib.define("wait(Tensor(a) t, Tensor? keepalive=None, Tensor? after=None) -> Tensor(a)")
 
 
 def _wait_for(t: torch.Tensor) -> None:
@@ -248,13 +250,15 @@ def _wait_for(t: torch.Tensor) -> None:
 
 
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
-def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None,
+               after: torch.Tensor | None = None) -> torch.Tensor:
     _wait_for(t)
     return torch.ops.aten.alias.default(t)  # a view, as the schema says: ops below autograd may not return inputs
 
 
 @torch.library.register_fake("swap_pass::wait")
-def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None,
+               after: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.aten.alias.default(t)
 
 

@@ -94,7 +94,7 @@ def test_forward_graph_swaps_out_and_waits_by_the_next_layer(aot_eager_run):
     layers = find_layers(fw)
     output = fw.graph.find_nodes(op="output")[0]
     for i, wait in enumerate(n for n in fw.graph.nodes if n.target == OPS.wait.default):
-        host, x = wait.args
+        host, x, _ = wait.args
         assert x is layers[i].input and host.target == OPS.swap_out.default
         assert wait in output.args[0] and x not in output.args[0]  # the host copy is saved
         assert order[wait] > order[layers[i + 1].input]  # after layer i produced x_{i+1} ...
