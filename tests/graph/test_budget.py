@@ -1,0 +1,203 @@
+"""Budget mode of swap_backend, waits pinned behind their compute, and the whole-step peak."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import swap_pass
+from swap_pass import make_swap_backend
+from swap_pass.bench.measure import profile_step
+from swap_pass.graph.budget import CostModel
+
+from .helpers import batch, tiny_model, twin
+
+OPS = torch.ops.swap_pass
+FAST = CostModel(copy_bytes_per_s=1e12, flops_per_s=1e12)  # every copy hides: choice by bytes
+
+
+def _step(compiled, model, seq=8):
+    compiled(*batch(model, seq)).backward()
+
+
+def _compile_and_step(model, backend, seq=8):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    _step(compiled, model, seq)
+    return compiled
+
+
+def _outputs(gm):
+    return list(gm.graph.find_nodes(op="output")[0].args[0])
+
+
+def test_budget_mode_swaps_any_saved_tensor_bitwise():
+    model = tiny_model(3)
+    ref = twin(model)
+    backend = make_swap_backend("aot_eager", memory_budget=0.5, cost_model=FAST)
+    swap_pass.reset()
+    _compile_and_step(model, backend)
+    _compile_and_step(ref, "aot_eager")
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    part = backend.partitions[-1]
+    assert part.mode == "budget" and part.predicted_peak <= part.budget_bytes
+    assert part.budget_bytes == int(0.5 * part.predicted_peak_without_swap)
+    assert len(part.swapped) > 2  # more than the two layer inputs of layer-input mode
+    assert {s.layer for s in part.swapped} - {"layers.0", "layers.1"}  # not only layer inputs
+    # the forward returns the host copies in place of the swapped tensors
+    fw_out = {n.name: n for n in _outputs(part.forward) if isinstance(n, torch.fx.Node)}
+    assert not {s.name for s in part.swapped} & set(fw_out)
+    stats = swap_pass.swap_stats()
+    assert stats.swap_outs == stats.swap_ins == len(part.swapped)
+    assert stats.swapped_out_bytes == sum(s.nbytes for s in part.swapped)
+    assert stats.host_bytes_in_use == 0
+    assert "predicted peak" in part.summary() and part.swapped[0].name in part.summary()
+
+
+def test_budget_that_already_fits_swaps_nothing():
+    backend = make_swap_backend("aot_eager", memory_budget=1.0, cost_model=FAST)
+    _compile_and_step(tiny_model(3), backend)
+    part = backend.partitions[-1]
+    assert part.swapped == [] and part.predicted_peak == part.predicted_peak_without_swap
+
+
+def test_copies_that_cannot_hide_are_not_chosen():
+    """A link this slow hides no copy behind the tiny model's compute: nothing is chosen, and the
+    unmet budget is reported."""
+    slow = CostModel(copy_bytes_per_s=1.0, flops_per_s=1e12)
+    backend = make_swap_backend("aot_eager", memory_budget=0.5, cost_model=slow)
+    with pytest.warns(UserWarning, match=r"memory_budget=0\.5 not reached"):
+        _compile_and_step(tiny_model(3), backend)
+    assert backend.partitions[-1].swapped == []
+
+
+@pytest.mark.parametrize("bad", [-1, 0.0, 1.5, "half", True])
+def test_invalid_budget_is_an_error(bad):
+    with pytest.raises(ValueError, match=r"swap_pass\.make_swap_backend: memory_budget=.* is invalid"):
+        make_swap_backend("aot_eager", memory_budget=bad)
+
+
+def test_invalid_cost_model_is_an_error():
+    with pytest.raises(ValueError, match=r"swap_pass\.CostModel: flops_per_s=0 is invalid"):
+        CostModel(flops_per_s=0)
+
+
+def test_measured_cost_model_is_positive():
+    cost = CostModel().resolved(torch.device("cpu"))
+    assert cost.copy_bytes_per_s > 0 and cost.flops_per_s > 0
+
+
+# --- waits at their planned position ----------------------------------------------------------
+
+
+def test_every_wait_depends_on_the_tensor_computed_before_it():
+    backend = make_swap_backend("aot_eager")
+    _compile_and_step(tiny_model(4, recompute=True), backend)
+    for gm in (backend.partitions[-1].forward, backend.partitions[-1].backward):
+        waits = [n for n in gm.graph.nodes if n.target == OPS.wait.default]
+        assert len(waits) == 3
+        for w in waits:
+            after, before = w.args[2], w.prev
+            while before.target in (OPS.wait.default, OPS.prefetch.default, OPS.swap_out.default):
+                before = before.prev
+            assert isinstance(after, torch.fx.Node) and after is before, (w, after, before)
+
+
+_KERNEL = re.compile(r"^(?:\w+ = )?(?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.)")
+_WAIT = re.compile(r"^(\w+) = torch\.ops\.swap_pass\.wait\.default\((\w+), \w+, (.*)\)$")
+
+
+def _body(code: str) -> list[str]:
+    return [line.strip() for line in code[code.index("def call("):].splitlines()]
+
+
+@pytest.mark.slow
+def test_inductor_output_code_keeps_every_wait_behind_its_compute():
+    """4 checkpointed layers under Inductor: in the backward's output code each wait comes after
+    a kernel, run after its prefetch, that reads or writes its ``after`` tensor (the compute the
+    H2D copy hides behind), and at least one kernel runs between each prefetch and its wait."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_model(4, recompute=True)
+    backend = make_swap_backend()
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        _, codes = run_and_get_code(lambda: _step(compiled, model))
+    lines = _body(next(c for c in codes if "swap_pass.prefetch" in c))
+    alias = dict(re.fullmatch(r"(buf\d+) = (buf\d+)", ln).groups() for ln in lines
+                 if re.fullmatch(r"buf\d+ = buf\d+", ln))
+    waits = [(i, _WAIT.match(ln)) for i, ln in enumerate(lines) if _WAIT.match(ln)]
+    assert len(waits) == 3
+    for i, m in waits:
+        dev, after = alias.get(m.group(2), m.group(2)), re.search(r"\bbuf\d+\b", m.group(3))
+        assert after is not None, lines[i]  # the wait carries its dependency
+        prefetch = next(j for j in range(i) if lines[j].startswith(f"{dev} = torch.ops.swap_pass.prefetch"))
+        kernels = [j for j in range(prefetch + 1, i) if _KERNEL.match(lines[j])]
+        assert kernels, lines[prefetch:i + 1]
+        assert any(re.search(rf"\b{after.group(0)}\b", lines[j]) for j in kernels), lines[i]
+
+
+@pytest.mark.slow
+def test_gpt2_under_inductor_warns_in_layer_input_mode_and_swaps_in_budget_mode():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=3, n_head=2, n_positions=16,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    layer_mode, budget_mode = make_swap_backend(), make_swap_backend(memory_budget=0.75,
+                                                                     cost_model=FAST)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend in (layer_mode, budget_mode):
+            torch._dynamo.reset()
+            torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids).logits.sum().backward()
+    assert layer_mode.partitions[-1].swapped == []
+    assert any("holds 3 layers but saves none of their inputs" in str(w.message) for w in caught)
+    assert len(budget_mode.partitions[-1].swapped) > 0
+
+
+# --- the whole-step peak ----------------------------------------------------------------------
+
+
+def _step_peak(model, backend, seq):
+    """Peak bytes of one profiled step after a warm-up step; the warm-up fills the host pool, so
+    the profiled step allocates no host buffer (checked) and its peak is the device side's."""
+    compiled = _compile_and_step(model, backend, seq)
+    model.zero_grad(set_to_none=True)
+    allocations = swap_pass.swap_stats().host_allocations
+    peak = profile_step(torch.device("cpu"), lambda: _step(compiled, model, seq)).peak_bytes
+    assert swap_pass.swap_stats().host_allocations == allocations
+    return peak
+
+
+@pytest.mark.parametrize("mode", ["layer_input_checkpointed", "budget"])
+def test_whole_step_peak_falls_with_swap(mode):
+    """The profiled peak of a whole training step (forward and backward) is lower with swap than
+    the same compile without it, and gradients are bitwise equal. Layer inputs: 6 checkpointed
+    layers; budget mode: 3 plain layers at half the predicted peak."""
+    layers, recompute, seq = (6, True, 64) if mode != "budget" else (3, False, 32)
+    model = tiny_model(layers, recompute=recompute)
+    ref = twin(model)
+    backend = (make_swap_backend("aot_eager") if mode != "budget" else
+               make_swap_backend("aot_eager", memory_budget=0.5, cost_model=FAST))
+    swap_pass.reset()
+    peak = _step_peak(model, backend, seq)
+    ref_peak = _step_peak(ref, "aot_eager", seq)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert backend.partitions[-1].swapped
+    if mode == "budget":
+        assert peak < 0.8 * ref_peak, (peak, ref_peak)
+    else:
+        x_bytes = backend.partitions[-1].swapped[0].nbytes
+        assert ref_peak - peak >= (layers - 2) * x_bytes // 2, (peak, ref_peak, x_bytes)
