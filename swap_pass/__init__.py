@@ -4,7 +4,9 @@ Ways in (one runtime underneath):
 
 * eager decorators / ``enable_swap_layer_input(model)``: swap each Transformer layer's input;
 * ``apply_swap_pass(gm)`` and ``torch.compile(model, backend=swap_backend)``: explicit
-  ``torch.ops.swap_pass.*`` nodes in traced and compiled graphs;
+  ``torch.ops.swap_pass.*`` nodes in traced and compiled graphs (``make_swap_backend(
+  memory_budget=...)`` swaps any saved tensor); ``compile_layers(model)``: each layer compiled on
+  its own (Inductor, torchair, CUDA graphs), swapped between layers eagerly;
 * ``SmartSwap(model, memory_budget=...)``: profile, plan and swap under a memory budget.
 """
 
@@ -40,6 +42,7 @@ from swap_pass.eager import (  # noqa: E402
 # --- graph ---
 from swap_pass.graph import (  # noqa: E402
     apply_swap_pass,
+    compile_layers,
     find_layer_boundaries,
     make_swap_backend,
     swap_backend,
@@ -70,6 +73,7 @@ __all__ = [
     "swap_layer_input_init_wrapper",
     # --- graph ---
     "apply_swap_pass",
+    "compile_layers",
     "find_layer_boundaries",
     "make_swap_backend",
     "swap_backend",

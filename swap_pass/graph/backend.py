@@ -7,7 +7,7 @@ Pipeline::
                         swap_saved_layer_inputs (aot_pass.py): swap_out/wait in the forward,
                         prefetch/wait (or swap_in) in the backward, for each saved layer input
                                                    |
-                                    inner compiler: Inductor, aot_eager, torchair (NPU), callable
+                                    inner compiler: Inductor, aot_eager, callable
 
 The partitioner is the one the inner compiler would use anyway (Inductor's own pipeline with a
 custom partitioner hook; ``min_cut_rematerialization_partition`` for the others), so the graphs
@@ -34,7 +34,7 @@ from swap_pass.graph.boundaries import LayerFilter
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 
-_INNER_NAMES = ("inductor", "aot_eager", "npu")
+_INNER_NAMES = ("inductor", "aot_eager")
 
 
 @dataclasses.dataclass
@@ -174,20 +174,20 @@ def _boxed(compiler: Callable) -> Callable:
     return boxed
 
 
-def _npu_compiler() -> Callable:
-    try:
-        import torch_npu  # noqa: F401
-        import torchair
-    except ImportError as err:
-        raise RuntimeError(
-            f"swap_pass.make_swap_backend: inner='npu' needs torch_npu and torchair, which do "
-            f"not import here ({err}). Install them on an Ascend machine, or use "
-            "inner='inductor' or 'aot_eager'."
-        ) from err
-    return torchair.get_compiler(compiler_config=torchair.CompilerConfig())
+def _refuse_npu() -> None:
+    """``inner="npu"``: torchair cannot compile the rewritten graphs; say where NPUs are served."""
+    raise ValueError(
+        "swap_pass.make_swap_backend: inner='npu' is not supported. torchair compiles whole "
+        "Dynamo graphs with its own decompositions and partitioner, its GE graphs have no "
+        "converters for swap_pass::* ops, and host-side stream bookkeeping cannot run inside a "
+        "GE graph or a captured aclgraph. Compile each layer with torchair and swap between "
+        "layers instead: swap_pass.compile_layers(model, backend='npu')."
+    )
 
 
 def _check_inner(inner: object) -> None:
+    if inner == "npu":
+        _refuse_npu()
     if callable(inner) or inner in _INNER_NAMES:
         return
     raise ValueError(
@@ -210,10 +210,9 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     compute (see :mod:`swap_pass.graph.budget`).
 
     Args:
-        inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``,
-            ``"npu"`` (torchair's compiler; needs ``torch_npu`` and ``torchair``), or a callable
-            ``(gm, example_inputs) -> callable`` used for both forward and backward; it may
-            return a plain function or a boxed one (``make_boxed_func``), as AOTAutograd allows.
+        inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``, or a
+            callable ``(gm, example_inputs) -> callable`` used for both forward and backward; it
+            may return a plain function or a boxed one (``make_boxed_func``), as AOTAutograd allows.
             Default: ``"inductor"``.
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
@@ -231,14 +230,13 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
         the last rewritten forward/backward pairs (:class:`Partition`) for inspection.
 
     Raises:
-        ValueError: ``inner`` is unknown or ``memory_budget`` is invalid. RuntimeError:
-        ``"npu"`` without torch_npu/torchair.
+        ValueError: ``inner`` is unknown or ``"npu"`` (use :func:`swap_pass.compile_layers`
+            with ``backend="npu"``), or ``memory_budget`` is invalid.
     """
     import collections
 
     _check_inner(inner)
     config = check_config(config, "make_swap_backend")
-    npu = _npu_compiler() if inner == "npu" else None
     record: collections.deque[Partition] = collections.deque(maxlen=16)
     budget = None if memory_budget is None else Budget(memory_budget)
     cost = cost_model or CostModel()
@@ -252,7 +250,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             from torch._dynamo.backends.debugging import boxed_nop
 
             return _compile_aot(gm, example_inputs, partition, boxed_nop, boxed_nop)
-        compiler = npu if npu is not None else _boxed(inner)
+        compiler = _boxed(inner)
         return _compile_aot(gm, example_inputs, partition, compiler, compiler)
 
     backend.partitions = record

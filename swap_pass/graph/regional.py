@@ -1,0 +1,147 @@
+"""``compile_layers``: compile each Transformer layer on its own, swap between layers eagerly.
+
+Regional compile (as torchtitan and torchtune do it) with swap on the shared runtime::
+
+    layer.forward = torch.compile(layer.forward, backend=...)   # one compiled region per layer
+    enable_swap_layer_input(model, layers=...)                  # eager protocol around each region
+
+The swap protocol runs outside every compiled region: each layer's input is swapped out after the
+layer's forward and back before its backward, exactly as in eager mode, so nothing host-side
+(streams, events, the host pool) sits inside a graph. That is what makes it the way for backends
+that cannot hold the ``swap_pass::*`` ops: torchair's GE graphs on Ascend NPUs (``backend="npu"``)
+and captured graphs (``mode="reduce-overhead"``, CUDA graphs). Layers of one class share their
+compiled code (Dynamo inlines ``nn.Module`` and guards on parameter metadata, not identity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from swap_pass.config import SwapConfig, check_config
+from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input, find_layer_blocks
+
+__all__ = ["CompiledLayers", "compile_layers"]
+
+_API = "compile_layers"
+_ATTR = "_swap_pass_compiled_layers"
+_MISSING = object()
+
+
+def npu_backend() -> Callable:
+    """torchair's Dynamo backend (``torchair.get_npu_backend``) with its default ``CompilerConfig``.
+
+    Raises:
+        RuntimeError: ``torch_npu`` or ``torchair`` does not import here.
+    """
+    try:
+        import torch_npu  # noqa: F401  (registers the NPU device)
+        import torchair
+    except ImportError as err:
+        raise RuntimeError(
+            f"swap_pass.{_API}: backend='npu' needs torch_npu and torchair, which do not import "
+            f"here ({err}). Install them on an Ascend machine, or use backend='inductor' or "
+            "'aot_eager'."
+        ) from err
+    if not hasattr(torchair, "get_npu_backend"):
+        raise RuntimeError(f"swap_pass.{_API}: this torchair ({getattr(torchair, '__version__', '?')}) "
+                           "has no get_npu_backend. torchair >= 2.1 is needed.")
+    return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+
+
+class CompiledLayers:
+    """What :func:`compile_layers` changed; ``remove()`` restores the layers' own ``forward``.
+
+    Attributes:
+        model: The model.
+        layers: The compiled layers, in call order.
+        swap: The eager swap handle around them (``None`` with ``swap=False``).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], swap: SwapLayerInputHandle | None,
+                 saved: list[Any]) -> None:
+        self.model, self.layers, self.swap, self._saved = model, layers, swap, saved
+        object.__setattr__(model, _ATTR, self)
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` ran."""
+        return self.model.__dict__.get(_ATTR) is self
+
+    def remove(self) -> None:
+        """Undo the swap protocol, then the compiled ``forward`` of every layer."""
+        if not self.active:
+            return
+        if self.swap is not None:
+            self.swap.remove()
+        for layer, saved in zip(self.layers, self._saved):
+            del layer.__dict__["forward"]
+            if saved is not _MISSING:
+                layer.__dict__["forward"] = saved
+        del self.model.__dict__[_ATTR]
+
+    def __enter__(self) -> CompiledLayers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"CompiledLayers(model={type(self.model).__name__}, layers={len(self.layers)}, "
+                f"swap={self.swap is not None}, active={self.active})")
+
+
+def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:
+    if model.__dict__.get(_ATTR) is not None:
+        raise RuntimeError(f"swap_pass.{_API}: the layers of this {type(model).__name__} are "
+                           "already compiled. Call handle.remove() before compiling them again.")
+    container = find_layer_blocks(model) if layers is None else layers
+    found = list(container.values() if isinstance(container, nn.ModuleDict) else container)
+    if not found or not all(isinstance(layer, nn.Module) for layer in found):
+        raise ValueError(f"swap_pass.{_API}: layers must be one or more nn.Module blocks "
+                         f"(got {[type(layer).__name__ for layer in found]}).")
+    return found
+
+
+def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
+                   layers: Iterable[nn.Module] | None = None, swap: bool = True,
+                   config: SwapConfig | None = None, **compile_kwargs: Any) -> CompiledLayers:
+    """Compile each Transformer layer of ``model`` on its own and swap layer inputs between them.
+
+    Args:
+        model: The model; only its layers' ``forward`` is replaced (instance attributes).
+        backend: Any ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, a callable), or
+            ``"npu"``: torchair's ``get_npu_backend()`` (needs ``torch_npu`` and ``torchair``).
+            Default: ``"inductor"``.
+        layers: The blocks, in the order they run. Default: ``None``, found with
+            :func:`swap_pass.eager.enable.find_layer_blocks`.
+        swap: Swap each layer's input to host memory between forward and backward (the eager
+            protocol of :func:`swap_pass.enable_swap_layer_input`). Default: ``True``.
+        config: Runtime knobs for the swap. Default: ``SwapConfig()``.
+        **compile_kwargs: Passed to ``torch.compile`` (``mode="reduce-overhead"``,
+            ``dynamic=...``, ``fullgraph=...``).
+
+    Returns:
+        A :class:`CompiledLayers` handle; ``remove()`` or leaving ``with`` restores the model.
+
+    Raises:
+        RuntimeError: The layers are already compiled by this function, swap is already enabled
+            on the model, or ``backend="npu"`` without torch_npu/torchair.
+        ValueError: No repeated blocks were found, or ``layers`` holds something else.
+    """
+    config = check_config(config, _API)
+    found = _layers(model, layers)
+    compiler = npu_backend() if backend == "npu" else backend
+    saved = []
+    for layer in found:
+        saved.append(layer.__dict__.get("forward", _MISSING))
+        layer.__dict__["forward"] = torch.compile(layer.forward, backend=compiler, **compile_kwargs)
+    try:
+        handle = enable_swap_layer_input(model, layers=found, config=config) if swap else None
+    except BaseException:
+        CompiledLayers(model, found, None, saved).remove()
+        raise
+    return CompiledLayers(model, found, handle, saved)
