@@ -268,7 +268,10 @@ def dynamic_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2,
         ``profiling`` step counts; ``over_budget`` (planned steps whose peak passed the
         budget); ``max_peak_over_budget`` and ``peak_over_budget`` (per step, peak / budget);
         ``step_ms`` and ``plain_step_ms`` (medians, CPU time) and ``ratio_vs_none`` (median
-        of the per-step ratios), ``cache`` (hits, misses, evictions, derived).
+        of the per-step ratios), ``cache`` (hits, misses, evictions, derived);
+        ``d2h_copies`` of planned steps and the share of them ``d2h_waited_a_layer_later``
+        (waited for two or more logical layers after the one they started in: a whole layer
+        of compute in between).
     """
     before = torch.get_num_threads()
     if threads is not None:
@@ -287,7 +290,7 @@ def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict
     batches = {n: make_batch(cfg, batch, n, seed=seed) for n in set(seqs)}
     budgets = {n: int(fraction * _unswapped_peak(plain, b)) for n, b in batches.items()}
     tick = _CLOCKS["cpu"]
-    rows = []
+    rows, waits = [], []
     with SmartSwap(model, memory_budget=fraction, config=SmartSwapConfig(plan_cache_size=cache_size)) as smart:
         for n in seqs:
             with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
@@ -300,8 +303,11 @@ def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict
                 _train_step(model, batches[n])
             smart.step()
             rows.append((n, step_kind(stage, smart.last_report), counter.peak, tick() - t0, plain_s))
+            waits += smart.last_report.d2h_waits
         cache = smart.plan_cache.stats() if smart.plan_cache is not None else None
-    return _dynamic_summary(rows, budgets, cache_size, cache)
+    return {**_dynamic_summary(rows, budgets, cache_size, cache),
+            "d2h_copies": len(waits),
+            "d2h_waited_a_layer_later": round(sum(b - a >= 2 for a, b in waits) / max(1, len(waits)), 3)}
 
 
 def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:

@@ -3,10 +3,14 @@
 Per saved tensor (pack)::
 
     poll: any storage that only our aliases still hold -> SwapTensors(aliases).swap_to_host()
-          (+ wait_d2h(): at once on CPU, at the next poll on an accelerator) -> storage freed
+          (+ wait_d2h(), storage freed: in planned steps ``policy.overlap_groups`` logical
+          layers later, see Note: [Waiting for a copy a logical layer later]; else at once on
+          CPU, at the next poll on an accelerator)
     key = (op, module call site, dtype, shape, model state)
     planned step: match key to the policy (window search from a cursor) -> swap or keep (tracked,
-          so that a fallback can still move it; see Note: [Falling back mid-step])
+          so that a fallback can still move it; see Note: [Falling back mid-step]); on a miss,
+          maybe switch to a cached plan (Note: [Choosing a cached plan mid-step])
+    a forward after a backward: a new micro-batch, the plan restarts (gradient accumulation)
     conservative step (warmup, gen_policy, or too many misses): every eligible activation
     -> handle(alias over the same storage) or the tensor itself (unmatched, state, not swappable)
 

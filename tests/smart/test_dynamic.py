@@ -213,3 +213,40 @@ def test_an_unreachable_budget_warns_once_with_the_best_reachable_peak():
     assert not policy.feasible and smart.plan_cache.misses == 1
     assert "swap_pass.SmartSwap: memory_budget=1024 B cannot be met" in str(ours[0].message)
     assert "best reachable peak" in str(ours[0].message)
+
+
+def _sampling_hooks(policy, sm, samples: list):
+    """Saved-tensor hooks over SmartSwap's: at each pack, (its logical layer, d2h copies queued)."""
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack(t):
+        group = policy.entries[min(len(samples), len(policy.entries) - 1)].group
+        samples.append((group, sm.d2h.issued - sm.d2h.done))
+        return outer[0](t)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, outer[1])
+
+
+@pytest.mark.no_stream_model
+def test_under_the_stream_model_copies_stay_queued_a_whole_logical_layer_and_grads_stay_exact():
+    from swap_pass.testing import stream_model
+
+    pair = Pair()
+    samples: list[tuple[int, int]] = []
+    with stream_model(seed=0, early_probability=0.0) as sm:  # copies run only when waited for
+        with SmartSwap(pair.model, memory_budget=0.5) as smart:
+            for s in range(3):
+                pair.step(smart, seed=s)  # bitwise equal to the twin, under the model
+            policy = smart.policy
+            with _sampling_hooks(policy, sm, samples):
+                pair.step(smart, seed=3)
+            report = smart.last_report
+    assert policy.overlap_groups == 2 and not report.fell_back
+    waits = report.d2h_waits
+    assert len(waits) == report.swapped_storages > 0
+    assert all(at - started >= 2 for started, at in waits), waits  # a whole layer in between
+    for g in range(policy.num_groups - 1):  # layer g's copies are still queued all through g + 1
+        started = sum(1 for s, _ in waits if s == g)
+        assert min(n for grp, n in samples if grp == g + 1) >= started, (g, samples)
+    assert report.sync_restores == 0 and policy.prefetch_depth >= 1  # every copy back prefetched
+    assert not sm.hazards
