@@ -269,9 +269,9 @@ def dynamic_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2,
         budget); ``max_peak_over_budget`` and ``peak_over_budget`` (per step, peak / budget);
         ``step_ms`` and ``plain_step_ms`` (medians, CPU time) and ``ratio_vs_none`` (median
         of the per-step ratios), ``cache`` (hits, misses, evictions, derived);
-        ``d2h_copies`` of planned steps and the share of them ``d2h_waited_a_layer_later``
-        (waited for two or more logical layers after the one they started in: a whole layer
-        of compute in between).
+        ``d2h_copies`` of planned steps and ``d2h_wait_lag``, how many were waited for 0, 1 or
+        2+ logical layers after the one they started in (2+: a whole layer of compute in
+        between; 1: the rest of their own layer).
     """
     before = torch.get_num_threads()
     if threads is not None:
@@ -306,8 +306,13 @@ def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict
             waits += smart.last_report.d2h_waits
         cache = smart.plan_cache.stats() if smart.plan_cache is not None else None
     return {**_dynamic_summary(rows, budgets, cache_size, cache),
-            "d2h_copies": len(waits),
-            "d2h_waited_a_layer_later": round(sum(b - a >= 2 for a, b in waits) / max(1, len(waits)), 3)}
+            "d2h_copies": len(waits), "d2h_wait_lag": _lag_counts(waits)}
+
+
+def _lag_counts(waits: list[tuple[int, int]]) -> dict[str, int]:
+    """Planned copies by how many logical layers after their start they were waited for."""
+    lags = [min(at - started, 2) for started, at in waits]
+    return {"0": lags.count(0), "1": lags.count(1), ">=2": lags.count(2)}
 
 
 def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:

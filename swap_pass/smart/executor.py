@@ -439,11 +439,12 @@ class SmartExecutor:
         """
         self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
         self.unit.report.fell_back = True
-        for ref in self._kept:
+        floor = max(self.min_swap_bytes, 1)
+        for ref in self._kept:  # tracked for the profile too: only those worth moving go
             slot = ref()
-            if slot is not None:
+            if slot is not None and slot.aliases[0].untyped_storage().nbytes() >= floor:
                 slot.swap = True
-        self._pending += self._kept  # poll() skips slots already moved
+        self._pending += self._kept  # poll() skips slots already moved and those kept
         self._kept = []
 
     # --- choosing a cached plan mid-step --------------------------------------------------------
