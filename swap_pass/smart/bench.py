@@ -267,6 +267,7 @@ def dynamic_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2,
         One row per variant (``plan_cache_size`` 8 and 0): ``planned``, ``conservative``,
         ``profiling`` step counts; ``over_budget`` (planned steps whose peak passed the
         budget); ``max_peak_over_budget`` and ``peak_over_budget`` (per step, peak / budget);
+        ``kinds`` (one letter per step: ``p`` planned, ``c`` conservative, ``P`` profiling);
         ``step_ms`` and ``plain_step_ms`` (medians, CPU time) and ``ratio_vs_none`` (median
         of the per-step ratios), ``cache`` (hits, misses, evictions, derived);
         ``d2h_copies`` of planned steps and ``d2h_wait_lag``, how many were waited for 0, 1 or
@@ -315,6 +316,9 @@ def _lag_counts(waits: list[tuple[int, int]]) -> dict[str, int]:
     return {"0": lags.count(0), "1": lags.count(1), ">=2": lags.count(2)}
 
 
+_LETTER = {"planned": "p", "conservative": "c", "profiling": "P"}
+
+
 def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:
     kinds = [k for _, k, _, _, _ in rows]
     ratios = [round(peak / budgets[n], 3) for n, _, peak, _, _ in rows]
@@ -329,7 +333,7 @@ def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:
         "step_ms": round(statistics.median(t for *_, t, _ in rows) * 1e3, 3),
         "plain_step_ms": round(statistics.median(p for *_, p in rows) * 1e3, 3),
         "ratio_vs_none": round(_median_ratio([t for *_, t, _ in rows], [p for *_, p in rows]), 4),
-        "cache": cache, "peak_over_budget": ratios, "kinds": "".join(k[0] for k in kinds),
+        "cache": cache, "peak_over_budget": ratios, "kinds": "".join(_LETTER[k] for k in kinds),
     }
 
 
