@@ -58,7 +58,8 @@ def main() -> int:
     with SmartSwap(model, memory_budget=budget) as smart:
         got = train(model, steps=8, smart=smart)
         print(f"stage after 8 steps: {smart.stage}")
-        print(f"policy: {smart.policy}")
+        print(smart)  # one line; smart.policy.summary() describes the plan
+        print(smart.policy.summary())
     assert all(torch.equal(a, b) for a, b in zip(expected, got)), (expected, got)
     stats = swap_pass.swap_stats()
     assert stats.swap_outs > 0 and stats.host_bytes_in_use == 0, stats

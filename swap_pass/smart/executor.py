@@ -131,6 +131,12 @@ class MicroBatchReport:
     by_structure: bool = False
     fell_back: bool = False
 
+    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
+        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
+                f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
+                f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
+                f"fell_back={self.fell_back})")
+
 
 class OnlineMatcher:
     """Aligns live feature keys to a planned sequence as they arrive, tolerating edits.

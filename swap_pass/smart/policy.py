@@ -116,6 +116,11 @@ class SwapPolicy:
             f"predicted stall {self.predicted.stall_s * 1e3:.3f} ms"
         )
 
+    def __repr__(self) -> str:  # one line; the entries are in ``summary()`` and the attributes
+        return (f"SwapPolicy(entries={len(self.entries)}, swapped={len(self.swapped)}/"
+                f"{len(self.candidates)} storages, budget_bytes={self.budget_bytes}, "
+                f"predicted_peak={self.predicted_peak}, feasible={self.feasible})")
+
 
 # --- lifetimes and replay -----------------------------------------------------------------------
 

@@ -201,6 +201,10 @@ class DetailedProfile:
         """Step time without the executor's synchronous copies (never below 10% of the step)."""
         return max(self.step_s - self.transfer_s, 0.1 * self.step_s)
 
+    def __repr__(self) -> str:  # one line; the records are in the attributes
+        return (f"DetailedProfile(records={len(self.records)}, storages={len(self.storages)}, "
+                f"saved_bytes={self.saved_bytes()}, step_s={self.step_s:.4f})")
+
 
 # --- lightweight profiler on its own (for the overhead benchmark) -------------------------------
 

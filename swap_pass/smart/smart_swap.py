@@ -195,6 +195,10 @@ class SmartSwap:
         """How many times a stable plan was dropped for a new one."""
         return self._controller.replans
 
+    def __repr__(self) -> str:
+        return (f"SmartSwap(model={type(self.model).__name__}, memory_budget={self.memory_budget}, "
+                f"stage={self.stage.value!r}, steps={self.steps}, policy={self.policy!r})")
+
     def __enter__(self) -> SmartSwap:
         if self._hooks is not None:
             raise RuntimeError("swap_pass.SmartSwap: entered twice. It must be entered once at a time.")
