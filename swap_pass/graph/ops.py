@@ -72,6 +72,7 @@ _lock = threading.RLock()  # finalizers may run during GC inside a locked sectio
 _transfers: dict[int, _Transfer] = {}
 _host_bytes: dict[int, int] = {}
 _finalizers: dict[int, weakref.finalize] = {}
+_released: dict[int, int] = {}  # host key -> device bytes freed meanwhile (Note: [Compiled frees])
 
 
 def pending_transfers() -> int:
@@ -95,8 +96,41 @@ def _storage_died(key: int) -> None:
         _finalizers.pop(key, None)
         nbytes = _host_bytes.pop(key, None)
         _transfers.pop(key, None)
+    _unrelease(key)
     if nbytes is not None:
         host_pool().forget(nbytes)
+
+
+# Note: [Compiled frees]
+# In a compiled graph the device copy of a swapped tensor is freed by the graph dropping it
+# after ``wait(host, keepalive=x)``, not by swap_pass. To count it in
+# ``swap_stats().device_bytes_released`` like the eager paths do, that wait watches x's storage:
+# when it dies while its data is still only on the host, its bytes count as released, until
+# the prefetch that brings them back (or the host copy dies unread). A source the graph keeps
+# (also an output, or reused in place by Inductor's memory planning) is not counted.
+
+
+def _watch_source(host: torch.Tensor, source: torch.Tensor) -> None:
+    key, nbytes = host.data_ptr(), _nbytes(source)
+    with _lock:
+        if key not in _host_bytes or key in _released:
+            return
+    weakref.finalize(source.untyped_storage(), _source_died, key, nbytes)
+
+
+def _source_died(key: int, nbytes: int) -> None:
+    with _lock:
+        if key not in _host_bytes or key in _released:
+            return  # already brought back: the graph kept the source past its restore
+        _released[key] = nbytes
+    stats.record(device_bytes_released=nbytes)
+
+
+def _unrelease(key: int) -> None:
+    with _lock:
+        nbytes = _released.pop(key, 0)
+    if nbytes:
+        stats.record(device_bytes_released=-nbytes)
 
 
 def _output_died(key: int, transfer: _Transfer) -> None:
@@ -114,6 +148,7 @@ def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
     """The whole pooled buffer behind ``host`` (flat bytes), if it is still counted as in use."""
     with _lock:
         nbytes = _host_bytes.pop(host.data_ptr(), None)
+    _unrelease(host.data_ptr())
     if nbytes is None:
         return None
     return torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
@@ -124,8 +159,12 @@ def _reset_pending() -> None:
     with _lock:
         dropped = sum(_host_bytes.values())
         held = [t.release for t in _transfers.values() if t.release is not None]
+        released = sum(_released.values())
         _host_bytes.clear()
         _transfers.clear()
+        _released.clear()
+    if released:
+        stats.record(device_bytes_released=-released)
     if dropped:
         host_pool().forget(dropped)
     for buf in held:
@@ -253,6 +292,8 @@ def _wait_for(t: torch.Tensor) -> None:
 def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None,
                after: torch.Tensor | None = None) -> torch.Tensor:
     _wait_for(t)
+    if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
+        _watch_source(t, keepalive)  # a swap_out's host copy (Note: [Compiled frees])
     return torch.ops.aten.alias.default(t)  # a view, as the schema says: ops below autograd may not return inputs
 
 

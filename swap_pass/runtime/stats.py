@@ -21,11 +21,13 @@ class SwapStats:
         peak_host_bytes_in_use: Highest ``host_bytes_in_use`` since the last reset.
         host_bytes_reserved: Host bytes the buffer pool holds, in use or cached for reuse.
         host_allocations: Fresh host buffers allocated (pool misses).
-        device_bytes_released: Device bytes now freed because their data is on the host, by
-            the eager paths and SmartSwap (which free storages themselves). In compiled graphs
-            the device buffer dies when the graph drops it after ``swap_pass::wait``; that is
-            not counted here (use ``torch.accelerator.max_memory_allocated``).
-        peak_device_bytes_released: Highest ``device_bytes_released`` since the last reset.
+        device_bytes_released: Device bytes now freed because their data is on the host, on
+            every path: the eager paths and SmartSwap free storages themselves; in traced and
+            compiled graphs the swapped tensor's storage counts once the graph has dropped it
+            after ``swap_pass::wait`` (a storage the graph keeps, or that Inductor reuses for
+            another buffer, is not counted), until its prefetch brings the bytes back.
+        peak_device_bytes_released: Highest ``device_bytes_released`` since the last reset: the
+            saving, in bytes, the same measure for every way in.
         kept_on_device: Swap-outs skipped because host memory was exhausted.
     """
 
