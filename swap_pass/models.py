@@ -127,9 +127,9 @@ class LlamaStyleModel(nn.Module):
         self.register_buffer("sin_table", angles.sin(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        seq = input_ids.shape[1]
-        cos = self.cos_table[:seq].to(self.embed.weight.dtype)
-        sin = self.sin_table[:seq].to(self.embed.weight.dtype)
+        seq = input_ids.shape[1]  # narrow, not [:seq]: torch.fx.symbolic_trace traces it
+        cos = self.cos_table.narrow(0, 0, seq).to(self.embed.weight.dtype)
+        sin = self.sin_table.narrow(0, 0, seq).to(self.embed.weight.dtype)
         h = self.embed(input_ids)
         for layer in self.layers:
             if self.recompute and torch.is_grad_enabled():
