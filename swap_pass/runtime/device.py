@@ -150,6 +150,7 @@ class DeviceStreams:
         storage.resize_(0)
 
 
+_CPU = torch.device("cpu")
 _streams_lock = threading.Lock()
 _streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
 # Set by swap_pass.testing.stream_model while it is active: a callable returning the modelled
@@ -159,6 +160,12 @@ _cpu_model = None
 
 def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
     """Return the (cached) :class:`DeviceStreams` of ``device``."""
+    if type(device) is torch.device and device.index is not None or device == _CPU:
+        # Fast path, taken on every copy: a complete device needs no normalizing, and a plain
+        # dict read is atomic (only the first call per key takes the lock below).
+        cached = _streams.get((device, use_streams))
+        if cached is not None:
+            return cached
     dev = torch.device(device)
     if dev.type == "cpu" and _cpu_model is not None:
         return _cpu_model.streams(dev, use_streams)
