@@ -146,6 +146,7 @@ class SwapTensors:
         self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes)
         self.device = self._common_device()
+        self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self.stat = SwapState.DEVICE
         self.kept_on_device = False
         self._event = None
@@ -292,7 +293,9 @@ class SwapTensors:
         return next(iter(devices), None)
 
     def _streams(self) -> DeviceStreams:
-        return device_streams(self.device, self.config.use_streams)
+        if self._ds is None:
+            self._ds = device_streams(self.device, self.config.use_streams)
+        return self._ds
 
     def _pin(self) -> bool:
         return self.config.pin_memory and self._streams().pin_memory
