@@ -41,9 +41,25 @@ def find_hidden_states(args: tuple, kwargs: dict, api: str) -> torch.Tensor:
     return value
 
 
+def _first_parameter(module: torch.nn.Module) -> torch.nn.Parameter | None:
+    """``next(module.parameters(), None)`` without building the generators (once per layer call).
+
+    Same order as ``Module.parameters()``: the module's own, then its children's, depth first.
+    """
+    for param in module._parameters.values():
+        if param is not None:
+            return param
+    for child in module._modules.values():
+        if child is not None:
+            param = _first_parameter(child)
+            if param is not None:
+                return param
+    return None
+
+
 def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str) -> None:
     """Raise when ``hidden_states`` is on another device than the layer's parameters."""
-    param = next(layer.parameters(), None)
+    param = _first_parameter(layer)
     if param is not None and param.device != hidden_states.device:
         raise ValueError(
             f"swap_pass.{api}: hidden_states is on {hidden_states.device} but "
