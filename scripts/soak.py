@@ -1,6 +1,6 @@
 """Soak test: train the tiny model for many steps with swap, next to a no-swap twin.
 
-Issue 7 item 5. At every step the script checks that
+At every step the script checks that
 
 * the swap really happened: between forward and backward the runtime reports exactly the
   layer inputs of all layers but the last as freed on the device (``device_bytes_released``);

@@ -1,4 +1,4 @@
-"""Eager side of issue 7: bad input, exceptions, autograd corners, inference, long runs, MTP."""
+"""Eager reliability: bad input, exceptions, autograd corners, inference, long runs, MTP."""
 
 from __future__ import annotations
 

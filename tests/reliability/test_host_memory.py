@@ -1,4 +1,4 @@
-"""Issue 7 item 2 end to end: ``SwapConfig.max_host_bytes`` reached while training through
+"""End to end: ``SwapConfig.max_host_bytes`` reached while training through
 ``enable_swap_layer_input``, under both ``on_host_exhausted`` policies.
 
 The cap leaves room for exactly two layer inputs of a ``(2, 8)`` batch, so with four layers the

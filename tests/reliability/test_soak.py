@@ -1,4 +1,4 @@
-"""Issue 7 item 5 in CI: a 50-step run of ``scripts/soak.py`` (the full run is 2,000 steps)."""
+"""The soak run in CI: a 50-step run of ``scripts/soak.py`` (the full run is 2,000 steps)."""
 
 from __future__ import annotations
 

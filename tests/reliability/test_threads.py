@@ -1,4 +1,4 @@
-"""Issue 7 item 7: two models, each under its own ``module_tag``, trained in two threads at once.
+"""Two models, each under its own ``module_tag``, trained in two threads at once.
 
 Each thread trains its own swapped model; a barrier starts every step of both threads together,
 so the two models' swap-outs, frees and swap-ins interleave on the shared host pool and stats.
