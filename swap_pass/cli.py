@@ -1,5 +1,6 @@
 """The ``swap-pass`` command line: ``demo``, ``bench``, ``plan`` (also ``python -m swap_pass``)."""
 
+
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,10 @@ import torch
 
 __all__ = ["build_parser", "main"]
 
+_DESCRIPTION = ("swap_pass command line: demo (a small model trained with and without swap), "
+                "bench (methods side by side), plan (bytes and copy-vs-compute estimates). "
+                "Also runs as: python -m swap_pass.")
+
 
 def _device(name: str | None) -> torch.device:
     from swap_pass.runtime.device import accelerator_type
@@ -19,44 +24,66 @@ def _device(name: str | None) -> torch.device:
     return torch.device(name or accelerator_type())
 
 
-def _add_sizes(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, help="hidden size (default: the preset's)")
-    p.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    p.add_argument("--batch", type=int, help="micro-batch size (default: the preset's)")
-    p.add_argument("--device", help="cpu, cuda, npu... (default: the best device present)")
+def _add_sizes(p: argparse.ArgumentParser, bench: bool) -> None:
+    from swap_pass.bench.presets import get_preset
+
+    tiny = get_preset("tiny")
+
+    def default(value: int) -> str:
+        return f"(default: the preset's; {value} for tiny)" if bench else f"(default: {value})"
+
+    p.add_argument("--hidden", type=int, help="hidden size " + default(tiny.model.hidden_size))
+    p.add_argument("--layers", type=int, help="number of layers " + default(tiny.model.num_layers))
+    p.add_argument("--seq", type=int, help="sequence length " + default(tiny.seq))
+    p.add_argument("--batch", type=int, help="micro-batch size " + default(tiny.batch))
+    p.add_argument("--device", help="cpu, cuda, npu... (default: the accelerator if one is present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op CPU threads while measuring, fixed so runs compare (default: 1)")
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="train a small Llama-style model with and without swap")
-    _add_sizes(p)
-    p.add_argument("--steps", type=int, help="training steps per row, >= 3 (default: 4)")
+    from swap_pass.bench.demo import DEFAULT_STEPS
+
+    p = sub.add_parser("demo", help="train a small Llama-style model with and without swap",
+                       description="Train the tiny preset's Llama-style model with no swap, full "
+                       "recompute and recompute + swap; print peak memory, step time and whether "
+                       "the losses match no swap bitwise.")
+    _add_sizes(p, bench=False)
+    p.add_argument("--steps", type=int,
+                   help=f"training steps per row, at least 3: 1 warm-up, the rest timed but the last, "
+                   f"which is profiled (default: {DEFAULT_STEPS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_bench(sub) -> None:
     from swap_pass.bench.methods import METHODS
-    from swap_pass.bench.presets import PRESETS
+    from swap_pass.bench.presets import PRESETS, get_preset
 
-    p = sub.add_parser("bench", help="compare swap methods and peers on one model, seed and data")
+    p = sub.add_parser("bench", help="compare swap methods and peers on one model, seed and data",
+                       description="Every method side by side on one model, seed and data: memory, "
+                       "wall and CPU time, losses against the reference, copy bandwidth.")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model and schedule (default: tiny on CPU, llama-8b-layer on an accelerator)")
-    _add_sizes(p)
+    _add_sizes(p, bench=True)
     p.add_argument("--methods", help="comma list of " + ",".join(m.key for m in METHODS) + " (default: all)")
-    p.add_argument("--steps", type=int, help="timed steps (default: the preset's)")
-    p.add_argument("--warmup", type=int, help="warm-up steps (default: the preset's)")
+    tiny = get_preset("tiny")
+    p.add_argument("--steps", type=int, help=f"timed steps (default: the preset's; {tiny.timed_steps} for tiny)")
+    p.add_argument("--warmup", type=int, help=f"warm-up steps (default: the preset's; {tiny.warmup_steps} for tiny)")
     p.add_argument("--compile-inner", help="inner compiler of the compile rows "
                    "(default: inductor on an accelerator, aot_eager on CPU)")
     p.add_argument("--smart-budget", type=float, default=0.25,
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
     p.add_argument("--no-smart-rows", action="store_true",
-                   help="skip SmartSwap's own rows (profiler overhead, budget; about 30 s on CPU)")
+                   help="skip SmartSwap's own rows (profiler overhead, budget, varying lengths; about 30 s on CPU)")
+    p.add_argument("--no-host-rows", action="store_true",
+                   help="skip the host CPU time per layer rows (about 5 s)")
     p.add_argument("--megatron", action="store_true",
                    help="also a megatron-core GPTModel: swap_pass vs Megatron's fine-grained "
                    "offloading vs full recompute vs none (needs megatron-core and CUDA)")
-    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method (PNG)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the full report as JSON, and the memory plot beside it (PATH with .png)")
+    p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method to PATH (PNG)")
 
 
 def _add_plan(sub) -> None:
@@ -75,7 +102,7 @@ def _add_plan(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``swap-pass`` argument parser."""
-    parser = argparse.ArgumentParser(prog="swap-pass", description=__doc__)
+    parser = argparse.ArgumentParser(prog="swap-pass", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
@@ -94,8 +121,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     device = _device(args.device)
     preset = demo_preset(hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch,
                          steps=args.steps)
-    rows = run_demo(preset, device, seed=args.seed, progress=not args.no_progress)
-    print(format_demo(rows, preset, device))
+    report = run_demo(preset, device, seed=args.seed, progress=not args.no_progress,
+                      threads=args.threads)
+    rows = report.rows
+    print(format_demo(report, preset, device))
     return 1 if any(r.status == "failed" or r.losses_match is False for r in rows) else 0
 
 
@@ -122,6 +151,7 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     report = run_bench(preset, ctx, methods=methods, seed=args.seed, smart_budget_fraction=args.smart_budget,
                        command=shlex.join(["swap-pass", *argv]), smart_rows=not args.no_smart_rows,
+                       host_rows=not args.no_host_rows, threads=args.threads,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
     print(format_report(report))
     if args.megatron:
@@ -131,13 +161,28 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
-    if args.plot:
-        plot_memory(report, args.plot)
-        print(f"wrote {args.plot}")
+    for path in _plot_paths(args):
+        plot_memory(report, path)
+        print(f"wrote {path}")
     megatron_rows = report.extra.get("megatron", {}).get("rows", [])
     return 1 if any(r.status == "failed" or r.losses_match is False for r in report.rows) or any(
         r["status"] != "ok" or r.get("exact") is False for r in megatron_rows
         if r["method"] != "megatron_offload") else 0
+
+
+def _plot_paths(args: argparse.Namespace) -> list[str]:
+    """--plot PATH, and the plot beside --json when matplotlib is installed."""
+    from swap_pass.bench.report import plot_path
+
+    paths = [args.plot] if args.plot else []
+    if args.json and plot_path(args.json) not in paths:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("no plot beside the JSON: matplotlib is not installed", file=sys.stderr)
+        else:
+            paths.append(plot_path(args.json))
+    return paths
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -13,8 +13,8 @@ import torch
 from swap_pass.bench.harness import MethodResult
 from swap_pass.bench.methods import BenchContext, default_compile_inner
 from swap_pass.bench.presets import BenchPreset, get_preset
-from swap_pass.bench.report import format_rows, mib
-from swap_pass.bench.run import run_bench
+from swap_pass.bench.report import format_rows, mib, ms
+from swap_pass.bench.run import BenchReport, load_caveat, run_bench
 
 __all__ = ["DEMO_METHODS", "demo_preset", "format_demo", "run_demo"]
 
@@ -41,33 +41,42 @@ def _cells(r: MethodResult) -> list[str]:
     match = "(reference)" if r.losses_match is None else ("yes (bitwise)" if r.losses_match
                                                          else f"NO ({r.max_loss_diff:.1e})")
     return [r.label, mib(r.peak_bytes), mib(r.peak_device_bytes_released) if r.peak_device_bytes_released
-            else "-", f"{r.step_s * 1e3:.1f}", match]
+            else "-", ms(r.step_s), ms(r.cpu_s), match]
 
-def format_demo(rows: list[MethodResult], preset: BenchPreset, device: torch.device) -> str:
-    """The demo's table and what its memory columns mean on this device."""
+def format_demo(report: BenchReport, preset: BenchPreset, device: torch.device) -> str:
+    """The demo's table, what its columns mean on this device, and the load caveat if any."""
+    rows, caveat = report.rows, load_caveat(report.meta, report.rows)
     mem = ("peak MiB = bytes the CPU allocator held above the step's start (torch.profiler memory "
            "events; CPU has no separate device memory)") if device.type == "cpu" else \
         "peak MiB = torch.accelerator.max_memory_allocated above the step's start"
-    head = ["", "peak MiB", "freed by swap MiB", "step ms", "losses match no swap"]
+    head = ["", "peak MiB", "freed by swap MiB", "step ms", "CPU ms", "losses match no swap"]
     m = preset.model
     return "\n".join([
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, batch {preset.batch}, seq {preset.seq}, "
-        f"{preset.dtype}, on {device}",
+        f"{preset.dtype}, on {device}, {report.meta.get('threads', '?')} intra-op thread(s)",
         format_rows(rows, head, _cells),
         mem,
         "freed by swap MiB = the runtime's figure (swap_stats().peak_device_bytes_released): layer "
         "inputs whose storage was freed because their data was on the host",
+        "step ms / CPU ms = median wall / process CPU time of a step",
+        *([caveat] if caveat else []),
     ])
 
-def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress: bool = True) -> list[MethodResult]:
-    """Train the demo's three rows and return them."""
+def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress: bool = True,
+             threads: int | None = 1) -> BenchReport:
+    """Train the demo's three rows; return the report (``report.rows`` holds them).
+
+    Args:
+        threads: Intra-op threads while training (None: as set). Default: ``1``.
+    """
     steps_per_method = preset.warmup_steps + preset.timed_steps + 1
     bar = _progress_bar(steps_per_method * len(DEMO_METHODS), progress)
     ctx = BenchContext(device, default_compile_inner())
-    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False,
-                       progress=lambda label: bar.set_description(label), on_step=bar.update)
+    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False, host_rows=False,
+                       threads=threads, progress=lambda label: bar.set_description(label),
+                       on_step=bar.update)
     bar.close()
-    return report.rows
+    return report
 
 class _NoBar:
     """Stand-in when tqdm is not installed (it comes with the ``test`` extra)."""

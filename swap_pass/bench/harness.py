@@ -2,9 +2,17 @@
 
 Per method: a fresh model from the same seed; ``warmup_steps`` untimed steps (more while the
 method says it is not ready, e.g. SmartSwap before its ``"stable"`` stage); ``timed_steps`` timed
-steps (median wall time, device synchronized; every step's time is kept); one profiled step for memory and copies (see
-:mod:`swap_pass.bench.measure`). Losses of every step are kept and compared with ``torch.equal``
-to the method's reference (no swap, or the same compile without swap).
+steps; one profiled step for memory and copies (see :mod:`swap_pass.bench.measure`). Losses of
+every step are kept and compared with ``torch.equal`` to the method's reference (no swap, or the
+same compile without swap).
+
+Note: [Paired timing]
+On a shared machine the speed of a step moves with other work by several times within a
+minute. Each timed step of a method is therefore followed by one step of a plain no-swap model
+of the same size (the pace setter, shared by all rows, with the method paused); the method's
+time ratio is the median over its steps of (its wall time / the pace setter's right after).
+Load that comes and goes hits both halves of a pair alike. Wall and process CPU time (all
+threads) are kept for every step, device synchronized.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -24,7 +33,7 @@ from swap_pass.bench.methods import BenchContext, Method, MethodSkipped, Runner
 from swap_pass.bench.presets import BenchPreset
 from swap_pass.models import LlamaStyleModel, make_batch
 
-__all__ = ["MAX_EXTRA_WARMUP", "MethodResult", "build_model", "run_method"]
+__all__ = ["MAX_EXTRA_WARMUP", "MethodResult", "build_model", "pace_setter", "run_method"]
 
 MAX_EXTRA_WARMUP = 20
 
@@ -41,6 +50,10 @@ class MethodResult:
     steps: int = 0
     step_s: float | None = None
     step_times_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: float | None = None
+    cpu_times_s: list[float] = dataclasses.field(default_factory=list)
+    pace_times_s: list[float] = dataclasses.field(default_factory=list)
+    paired_ratios: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: float | None = None
     peak_bytes: int | None = None
     peak_source: str = ""
@@ -116,23 +129,49 @@ class _Trainer:
             self.step()
             extra += 1
 
-    def timed(self) -> list[float]:
-        times = []
+    def timed_step(self) -> tuple[float, float]:
+        """One step; its wall and process CPU seconds (data made before the clocks start)."""
+        batch = self.next_batch()
+        synchronize(self.device)
+        t, c = time.perf_counter(), time.process_time()
+        self.step(batch)
+        synchronize(self.device)
+        return time.perf_counter() - t, time.process_time() - c
+
+    def timed(self, pace: _Trainer | None, pause: Callable[[], ContextManager]) -> _Times:
+        """``timed_steps`` steps, each followed by one of ``pace`` (Note: [Paired timing])."""
+        out = _Times()
         for _ in range(self.preset.timed_steps):
-            batch = self.next_batch()
-            synchronize(self.device)
-            t = time.perf_counter()
-            self.step(batch)
-            synchronize(self.device)
-            times.append(time.perf_counter() - t)
-        return times
+            wall, cpu = self.timed_step()
+            out.wall.append(wall)
+            out.cpu.append(cpu)
+            if pace is not None:
+                with pause():
+                    out.pace.append(pace.timed_step()[0])
+        return out
 
 
-def _fill(result: MethodResult, trainer: _Trainer, times: list[float], prof: StepProfile,
+@dataclasses.dataclass
+class _Times:
+    wall: list[float] = dataclasses.field(default_factory=list)
+    cpu: list[float] = dataclasses.field(default_factory=list)
+    pace: list[float] = dataclasses.field(default_factory=list)
+
+
+def pace_setter(preset: BenchPreset, device: torch.device, seed: int) -> _Trainer:
+    """The plain no-swap model every timed step is paired with (Note: [Paired timing])."""
+    model = build_model(preset, False, device, seed)
+    return _Trainer(Runner(forward=model), model, preset, device, seed, None)
+
+
+def _fill(result: MethodResult, trainer: _Trainer, times: _Times, prof: StepProfile,
           moved: tuple[int, int]) -> None:
     stats = swap_pass.swap_stats()
     result.status, result.steps = "ok", len(trainer.losses)
-    result.step_s, result.step_times_s = statistics.median(times), times
+    result.step_s, result.step_times_s = statistics.median(times.wall), times.wall
+    result.cpu_s, result.cpu_times_s = statistics.median(times.cpu), times.cpu
+    result.pace_times_s = times.pace
+    result.paired_ratios = [w / p for w, p in zip(times.wall, times.pace)]
     result.tokens_per_s = trainer.preset.tokens_per_step / result.step_s
     result.peak_bytes, result.peak_source = prof.peak_bytes, prof.peak_source
     result.curve_ms, result.curve_bytes = prof.curve_ms, prof.curve_bytes
@@ -145,10 +184,11 @@ def _fill(result: MethodResult, trainer: _Trainer, times: list[float], prof: Ste
 
 
 def _measure(result: MethodResult, runner: Runner, model: nn.Module, preset: BenchPreset,
-             device: torch.device, seed: int, on_step: Callable[[], None] | None) -> None:
+             device: torch.device, seed: int, on_step: Callable[[], None] | None,
+             pace: _Trainer | None) -> None:
     trainer = _Trainer(runner, model, preset, device, seed, on_step)
     trainer.warm_up()
-    times = trainer.timed()
+    times = trainer.timed(pace, runner.pause)
     before = swap_pass.swap_stats()
     batch = trainer.next_batch()
     prof = profile_step(device, lambda: trainer.step(batch))
@@ -160,13 +200,16 @@ def _measure(result: MethodResult, runner: Runner, model: nn.Module, preset: Ben
 
 def run_method(method: Method, preset: BenchPreset, ctx: BenchContext, seed: int = 0,
                on_error: Callable[[BaseException], None] | None = None,
-               on_step: Callable[[], None] | None = None) -> MethodResult:
+               on_step: Callable[[], None] | None = None,
+               pace: _Trainer | None = None) -> MethodResult:
     """Build, train and measure one method; a row that says why when it cannot run.
 
     Args:
         on_step: Called after every training step (progress bars). Default: ``None``.
         on_error: Called with an unexpected exception (e.g. to re-raise in tests); the row
             says ``"failed"`` when it returns. Default: ``None``.
+        pace: The no-swap model each timed step is paired with (:func:`pace_setter`); None for
+            unpaired timing. Default: ``None``.
     """
     result = MethodResult(method.key, method.label, "failed", reference=method.reference)
     swap_pass.reset()
@@ -174,7 +217,7 @@ def run_method(method: Method, preset: BenchPreset, ctx: BenchContext, seed: int
     runner = None
     try:
         runner = method.build(model, ctx)
-        _measure(result, runner, model, preset, ctx.device, seed, on_step)
+        _measure(result, runner, model, preset, ctx.device, seed, on_step, pace)
     except MethodSkipped as why:
         result.status, result.reason = "skipped", str(why)
     except Exception as err:  # one method failing must not hide the others' rows

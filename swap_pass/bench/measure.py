@@ -19,17 +19,22 @@ be told apart from the model's own, so their CPU bandwidth is left empty.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["CopyRate", "StepProfile", "anchor_bandwidth", "profile_step", "synchronize"]
+__all__ = ["CopyRate", "StepProfile", "anchor_bandwidth", "intra_op_threads", "profile_step",
+           "quiet_profiler", "synchronize"]
 
 FORWARD_RANGE = "bench::forward"
 BACKWARD_RANGE = "bench::backward"
@@ -68,6 +73,22 @@ class StepProfile:
     curve_bytes: list[int]
     d2h: CopyRate
     h2d: CopyRate
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the body with ``n`` intra-op threads (None: leave as is), then restore the count.
+
+    A fixed count makes runs comparable across machines; one thread also keeps a loaded machine
+    from stalling every parallel kernel on the slowest of its threads.
+    """
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def synchronize(device: torch.device) -> None:
@@ -156,11 +177,52 @@ def _device_start(device: torch.device) -> int:
     return start
 
 
+# Kineto prints "USDT: ... profiler_start" / "profiler_stop" and "STAGE: ... Completed Stage"
+# lines from C++ for every profiled region, whatever KINETO_LOG_LEVEL says.
+_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):.*(profiler_st(art|op)|Completed Stage)")
+
+
+@contextlib.contextmanager
+def quiet_profiler() -> Iterator[None]:
+    """Drop kineto's start/stop lines from file descriptors 1 and 2; pass every other line on."""
+    saved, files = [], []
+    try:
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            stream.flush()
+            tmp = tempfile.TemporaryFile(mode="w+b")
+            saved.append((fd, os.dup(fd), stream))
+            files.append(tmp)
+            os.dup2(tmp.fileno(), fd)
+    except (OSError, ValueError, AttributeError):  # no real descriptors (captured streams)
+        _restore(saved, files, replay=False)
+        yield
+        return
+    try:
+        yield
+    finally:
+        _restore(saved, files, replay=True)
+
+
+def _restore(saved: list, files: list, replay: bool) -> None:
+    for (fd, copy, stream), tmp in zip(saved, files):
+        stream.flush()
+        os.dup2(copy, fd)
+        os.close(copy)
+        if replay:
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_CHATTER.match(line)]
+            stream.write("".join(kept))
+            stream.flush()
+        tmp.close()
+
+
 def profile_step(device: torch.device, step: Callable[[], None]) -> StepProfile:
     """Run ``step`` once under the profiler and return its memory curve and copies."""
     synchronize(device)
     start = _device_start(device)
-    with profile(activities=_activities(device), profile_memory=True, record_shapes=True) as prof:
+    with quiet_profiler(), profile(activities=_activities(device), profile_memory=True,
+                                   record_shapes=True) as prof:
         step()
         synchronize(device)
     events = prof.profiler.kineto_results.events()
@@ -176,23 +238,22 @@ def profile_step(device: torch.device, step: Callable[[], None]) -> StepProfile:
     return StepProfile(peak, source, times, values, d2h, h2d)
 
 
-def _time_copies(copy_all: Callable[[], None], device: torch.device, nbytes: int, reps: int) -> float:
-    copy_all()  # warm-up
+def _seconds(copy_all: Callable[[], None], device: torch.device) -> float:
     synchronize(device)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        copy_all()
-        synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    t = time.perf_counter()
+    copy_all()
+    synchronize(device)
+    return time.perf_counter() - t
 
 
-def anchor_bandwidth(device: torch.device, chunk_bytes: int, chunks: int, reps: int = 5) -> tuple[float, float]:
+def anchor_bandwidth(device: torch.device, chunk_bytes: int, chunks: int,
+                     reps: int = 9) -> tuple[float, float]:
     """GB/s of a plain copy of ``chunks`` buffers of ``chunk_bytes`` each way (D2H, H2D).
 
     On an accelerator: device buffers to pinned host buffers and back, one stream, no compute.
-    On CPU: a plain ``memcpy`` between two CPU buffers (there is no second memory).
+    On CPU: a plain ``memcpy`` between two CPU buffers (there is no second memory). One warm-up,
+    then ``reps`` pairs (a D2H pass then an H2D pass, so load that comes and goes hits both);
+    each direction's figure is the median over its passes. Default ``reps``: ``9``.
     """
     pin = device.type != "cpu"
     dev = [torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(chunks)]
@@ -207,4 +268,7 @@ def anchor_bandwidth(device: torch.device, chunk_bytes: int, chunks: int, reps: 
         for h, d in zip(host, dev):
             d.copy_(h, non_blocking=pin)
 
-    return _time_copies(d2h, device, total, reps), _time_copies(h2d, device, total, reps)
+    d2h(), h2d()  # warm-up: first touch of the pages
+    pairs = [(_seconds(d2h, device), _seconds(h2d, device)) for _ in range(reps)]
+    return (total / statistics.median(p[0] for p in pairs) / 1e9,
+            total / statistics.median(p[1] for p in pairs) / 1e9)

@@ -48,12 +48,15 @@ class Runner:
         after_step: Called after each optimizer step (``SmartSwap.step``). Default: no-op.
         ready: True once warm-up may end (SmartSwap: stage ``"stable"``). Default: always.
         close: Undo the method (remove hooks, leave contexts). Default: no-op.
+        pause: Context manager under which another model's step runs untouched by the method
+            (SmartSwap's hooks are process-wide). Default: ``contextlib.nullcontext``.
     """
 
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     after_step: Callable[[], None] = lambda: None
     ready: Callable[[], bool] = lambda: True
     close: Callable[[], None] = lambda: None
+    pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +146,17 @@ def _smartswap(model: nn.Module, ctx: BenchContext) -> Runner:
         raise MethodSkipped("SmartSwap's budget is a fraction of the no-swap peak; run the no_swap row too")
     smart = smart_cls(model, memory_budget=ctx.smart_budget_bytes)
     smart.__enter__()
+
+    @contextlib.contextmanager
+    def pause():  # between steps: its hooks off, then on again for the next step
+        smart.close()
+        try:
+            yield
+        finally:
+            smart.__enter__()
+
     return Runner(forward=model, after_step=smart.step, ready=lambda: smart.stage == "stable",
-                  close=lambda: smart.__exit__(None, None, None))
+                  close=lambda: smart.__exit__(None, None, None), pause=pause)
 
 
 METHODS: list[Method] = [

@@ -67,7 +67,7 @@ PRESETS: dict[str, BenchPreset] = {
         name="tiny",
         model=LlamaConfig(vocab_size=256, hidden_size=64, num_layers=16, num_heads=4,
                           intermediate_size=176, max_seq_len=1024),
-        batch=4, seq=512, dtype="fp32", warmup_steps=2, timed_steps=5,
+        batch=4, seq=512, dtype="fp32", warmup_steps=1, timed_steps=3,
         note="CPU default: 16 layers, hidden 64, seq 512: the 16 layer inputs (8 MiB) outweigh "
              "one layer's recompute, so what swap removes shows in the peak",
     ),

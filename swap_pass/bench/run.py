@@ -6,17 +6,18 @@ import dataclasses
 import datetime
 import os
 import platform
+import statistics
 from collections.abc import Callable, Iterable
 
 import torch
 
-from swap_pass.bench.harness import MethodResult, build_model, run_method
-from swap_pass.bench.measure import anchor_bandwidth
+from swap_pass.bench.harness import MethodResult, pace_setter, run_method
+from swap_pass.bench.measure import anchor_bandwidth, intra_op_threads, quiet_profiler
 from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
 from swap_pass.bench.presets import BenchPreset
-from swap_pass.models import make_batch
 
-__all__ = ["BenchReport", "compare_losses", "describe_machine", "run_bench", "smart_extra_rows"]
+__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat",
+           "run_bench", "smart_extra_rows", "spread"]
 
 
 @dataclasses.dataclass
@@ -27,15 +28,16 @@ class BenchReport:
     rows: list[MethodResult]
     anchor: dict
     extra: dict
+    host: dict = dataclasses.field(default_factory=dict)
 
     def row(self, key: str) -> MethodResult:
         """The row of method ``key``."""
         return next(r for r in self.rows if r.key == key)
 
     def to_json(self) -> dict:
-        """JSON-ready data: meta, rows, anchor, extra rows."""
+        """JSON-ready data: meta, rows, anchor, extra rows, host cost per layer."""
         return {"meta": self.meta, "rows": [r.to_json() for r in self.rows],
-                "anchor": self.anchor, "extra": self.extra}
+                "anchor": self.anchor, "extra": self.extra, "host": self.host}
 
 
 def describe_machine(device: torch.device) -> str:
@@ -57,13 +59,39 @@ def compare_losses(row: MethodResult, ref: MethodResult) -> None:
 
 
 def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
-    if base is None or base.status != "ok":
-        return
+    """Memory against the no-swap row; time against the paired no-swap steps (Note: [Paired timing])."""
     for r in rows:
-        if r.status == "ok":
-            r.memory_ratio = r.peak_bytes / base.peak_bytes if base.peak_bytes else None
+        if r.status != "ok":
+            continue
+        if base is not None and base.status == "ok" and base.peak_bytes:
+            r.memory_ratio = r.peak_bytes / base.peak_bytes
+        if r.paired_ratios:
+            r.time_ratio = statistics.median(r.paired_ratios)
+        elif base is not None and base.status == "ok":
             r.time_ratio = r.step_s / base.step_s
-            r.tokens_ratio = r.tokens_per_s / base.tokens_per_s
+        r.tokens_ratio = 1 / r.time_ratio if r.time_ratio else None
+
+
+def spread(row: MethodResult) -> float | None:
+    """Run-to-run spread of a row's paired time ratios: interquartile range / median."""
+    if len(row.paired_ratios) < 2:
+        return None
+    q = statistics.quantiles(row.paired_ratios, n=4, method="inclusive")
+    return (q[2] - q[0]) / q[1]
+
+
+def load_caveat(meta: dict, rows: list[MethodResult], max_spread: float = 0.1) -> str:
+    """One line when step times are not to be trusted: busy cores or a wide paired spread."""
+    cores = os.cpu_count() or 1
+    loads = [x for x in meta.get("load_avg_1m", []) if x is not None]
+    spreads = [s for s in map(spread, rows) if s is not None]
+    busy = max(loads, default=0.0) >= cores
+    wide = max(spreads, default=0.0) > max_spread
+    if not (busy or wide):
+        return ""
+    return (f"caveat: step times are rough here (load average up to {max(loads, default=0.0):.1f} on "
+            f"{cores} cores; run-to-run spread of paired step times up to "
+            f"{max(spreads, default=0.0):.0%}); CPU ms move less, memory and losses not at all")
 
 
 def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult]) -> dict:
@@ -82,8 +110,8 @@ def _row_text(row: dict) -> dict:
     return {"label": str(row.get("name", "")), "value": text, "data": row}
 
 
-def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384,
-                     dynamic_steps: int = 50) -> dict:
+def smart_extra_rows(overhead_steps: int = 12, change_seq: int | None = 384,
+                     dynamic_steps: int = 20) -> dict:
     """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget,
     and a varying-length schedule with and without the plan cache.
 
@@ -93,12 +121,12 @@ def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384,
     # SmartSwap's own CPU bench model, whatever the bench's device.
 
     Args:
-        overhead_steps: Timed steps per profiler variant. Default: ``60``.
+        overhead_steps: Timed steps per profiler variant. Default: ``12``.
         change_seq: Sequence length the budget rows switch to after their stable steps (the
             change step's peak against the budget in force); None for no change. Default:
             ``384`` (from 256).
         dynamic_steps: Steps of the varying-length schedule (``dynamic_rows``); 0 for none.
-            Default: ``50``.
+            Default: ``20`` (the bench's whole run fits in about a minute on 2 CPU cores).
     """
     try:
         overhead = require("swap_pass.smart.bench", "profiler_overhead_rows")
@@ -116,8 +144,8 @@ def smart_extra_rows(overhead_steps: int = 60, change_seq: int | None = 384,
     return {"status": "ok", "reason": "", "rows": rows}
 
 
-def _warm_up_kernels(preset: BenchPreset, device: torch.device, seed: int) -> None:
-    """One throwaway step of the plain model before any row.
+def _warm_up_kernels(pace) -> None:
+    """One step of the pace setter before any row.
 
     # Note: [First-call kernels]
     # On torch 2.13 CPU with 2 threads, the first ``torch.tanh`` / ``torch.rsqrt`` of a process
@@ -125,9 +153,7 @@ def _warm_up_kernels(preset: BenchPreset, device: torch.device, seed: int) -> No
     # call (131011 of 262144 elements, up to 5e-5; never with one thread). A row that happened to
     # run first would then "differ" from the others at step 0. Every row runs after this step.
     """
-    model = build_model(preset, False, device, seed)
-    input_ids, labels = make_batch(preset.model, preset.batch, preset.seq, seed=seed, device=device)
-    model(input_ids, labels).backward()
+    pace.step()
 
 
 def _load() -> float | None:
@@ -152,21 +178,48 @@ def _select(keys: Iterable[str] | None) -> list[Method]:
 def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] | None = None,
               seed: int = 0, smart_budget_fraction: float = 0.25, command: str = "",
               progress: Callable[[str], None] | None = None,
-              on_step: Callable[[], None] | None = None, smart_rows: bool = True) -> BenchReport:
+              on_step: Callable[[], None] | None = None, smart_rows: bool = True,
+              host_rows: bool = True, threads: int | None = 1) -> BenchReport:
     """Run the selected methods (default: all) and return the report.
 
     Args:
         progress: Called with each method's label before it runs. Default: ``None``.
         on_step: Called after every training step of every method. Default: ``None``.
         smart_rows: Also run SmartSwap's own rows (:func:`smart_extra_rows`). Default: ``True``.
+        host_rows: Also measure host CPU time per layer (:func:`host_cost_rows`). Default: ``True``.
+        threads: Intra-op threads while measuring (None: as set). Default: ``1``.
     """
+    with intra_op_threads(threads):
+        report = _run(preset, ctx, _select(methods), seed, smart_budget_fraction, progress, on_step)
+        report.meta.update(command=command, threads=torch.get_num_threads())
+        with quiet_profiler():  # SmartSwap's rows run torch.profiler too
+            report.extra = smart_extra_rows() if smart_rows else \
+                {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
+    report.host = host_cost_rows() if host_rows else {"status": "skipped", "reason": "--no-host-rows"}
+    report.meta["load_avg_1m"].append(_load())
+    return report
+
+
+def host_cost_rows() -> dict:
+    """Host CPU time per layer per step of each way in (:mod:`swap_pass.bench.host_cost`)."""
+    from swap_pass.bench.host_cost import host_us_per_layer
+
+    layers, rounds = 32, 30
+    return {"status": "ok", "layers": layers, "rounds": rounds,
+            "rows": host_us_per_layer(layers=layers, rounds=rounds)}
+
+
+def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: int,
+         smart_budget_fraction: float, progress: Callable[[str], None] | None,
+         on_step: Callable[[], None] | None) -> BenchReport:
     rows: list[MethodResult] = []
     load_before = _load()
-    _warm_up_kernels(preset, ctx.device, seed)
-    for method in _select(methods):
+    pace = pace_setter(preset, ctx.device, seed)
+    _warm_up_kernels(pace)
+    for method in methods:
         if progress is not None:
             progress(method.label)
-        rows.append(run_method(method, preset, ctx, seed, on_step=on_step))
+        rows.append(run_method(method, preset, ctx, seed, on_step=on_step, pace=pace))
         if method.key == "no_swap" and rows[-1].status == "ok":
             ctx.smart_budget_bytes = int(rows[-1].peak_bytes * smart_budget_fraction)
     by_key = {r.key: r for r in rows}
@@ -178,6 +231,5 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
             "machine": describe_machine(ctx.device), "device": str(ctx.device),
             "torch": torch.__version__, "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
-            "seed": seed, "command": command, "load_avg_1m": [load_before, _load()]}
-    extra = smart_extra_rows() if smart_rows else {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
-    return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), extra)
+            "seed": seed, "load_avg_1m": [load_before, _load()]}
+    return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), {})

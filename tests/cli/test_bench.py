@@ -63,10 +63,12 @@ RUNTIME_SWAP = Method("runtime_swap", "runtime swap after forward", _swap_inputs
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--preset", "tiny", "--layers", "4", "--seq", "128", "--batch", "2", "--steps", "1",
-            "--warmup", "1", "--device", "cpu", "--no-smart-rows", "--json", str(out / "b.json"), "--plot", str(out / "m.png")]
+            "--warmup", "1", "--device", "cpu", "--no-smart-rows", "--no-host-rows",
+            "--json", str(out / "b.json"), "--plot", str(out / "m.png")]
     swap_pass.reset()
     rc = main(argv)
     swap_pass.reset()
+    assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside the JSON
     return rc, json.loads((out / "b.json").read_text()), out / "m.png"
 
 
@@ -88,6 +90,8 @@ def test_bench_prints_every_row_and_writes_json_and_plot(bench_json, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["meta"]["command"].startswith("swap-pass bench --preset tiny")
     assert data["extra"] == {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
+    assert data["host"] == {"status": "skipped", "reason": "--no-host-rows"}
+    assert data["meta"]["threads"] == 1 and torch.get_num_threads() != 0
 
 
 @pytest.mark.slow
@@ -95,7 +99,11 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
     _, data, _ = bench_json
     rows = {r["key"]: r for r in data["rows"]}
     base, rec = rows["no_swap"], rows["recompute"]
-    assert base["memory_ratio"] == base["time_ratio"] == base["tokens_ratio"] == 1.0
+    assert base["memory_ratio"] == 1.0
+    for r in (base, rec):  # paired timing: one pace-setter step after each timed step
+        assert len(r["paired_ratios"]) == len(r["pace_times_s"]) == len(r["step_times_s"]) == 1
+        assert r["time_ratio"] == r["paired_ratios"][0] == r["step_times_s"][0] / r["pace_times_s"][0]
+        assert r["tokens_ratio"] == pytest.approx(1 / r["time_ratio"]) and r["cpu_s"] > 0
     assert base["losses_match"] is None  # it is the reference
     # Full recompute keeps only layer inputs: its step peak is far below no swap's.
     assert 0 < rec["peak_bytes"] < 0.5 * base["peak_bytes"]
@@ -110,7 +118,7 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
 
 def test_runtime_swap_fills_the_swap_columns_and_the_anchor(monkeypatch):
     monkeypatch.setattr("swap_pass.bench.run.METHODS", [METHODS[0], METHODS[1], RUNTIME_SWAP])
-    report = run_bench(SMALL, BenchContext(CPU), smart_rows=False)
+    report = run_bench(SMALL, BenchContext(CPU), smart_rows=False, host_rows=False)
     row = report.row("runtime_swap")
     swapped = (SMALL.model.num_layers - 1) * SMALL.layer_input_bytes
     assert row.status == "ok", row.reason
@@ -172,7 +180,7 @@ def test_merged_swap_rows_run_and_match(key):
     methods = {m.key: m for m in METHODS}
     ctx = BenchContext(CPU)
     report = run_bench(SMALL, ctx, methods=[key, methods[key].reference or "no_swap", "recompute"],
-                       smart_rows=False)
+                       smart_rows=False, host_rows=False)
     row = report.row(key)
     assert row.status == "ok", row.reason
     assert row.losses_match is True
@@ -202,3 +210,68 @@ def test_smartswap_extra_rows_or_their_skip_reason():
     assert after["stage"] == "stable" and not after["fell_back"] and after["within_budget"]
     dynamic = [r["data"] for r in extra["rows"] if r["label"].startswith("dynamic: ")]
     assert [d["steps"] for d in dynamic] == [4, 4] and dynamic[0]["profiling"] == 1
+
+
+def test_host_cost_rows_measure_every_way_in():
+    from swap_pass.bench.host_cost import HOST_METHODS, host_us_per_layer
+
+    rows = host_us_per_layer(layers=4, rounds=3, warmup=1)
+    assert list(rows) == list(HOST_METHODS)
+    assert rows["no swap"]["us_per_layer"] == 0.0  # the reference of every difference
+    assert all(r["step_cpu_ms"] > 0 for r in rows.values())
+    assert swap_pass.swap_stats().host_bytes_in_use == 0 and torch.get_num_threads() >= 1
+
+
+def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):
+    from swap_pass.bench.measure import profile_step
+
+    def step():
+        print("from the step")
+        torch.randn(64).sum()
+
+    profile_step(CPU, step)
+    out, err = capfd.readouterr()
+    assert "from the step" in out
+    assert "profiler_start" not in out + err and "profiler_stop" not in out + err
+
+
+def test_load_caveat_names_load_or_spread():
+    from swap_pass.bench.run import load_caveat
+
+    quiet = MethodResult("a", "a", "ok", paired_ratios=[1.0, 1.01, 0.99, 1.0])
+    noisy = MethodResult("b", "b", "ok", paired_ratios=[1.0, 2.0, 0.5, 1.5])
+    assert load_caveat({"load_avg_1m": [0.1, 0.2]}, [quiet]) == ""
+    busy = load_caveat({"load_avg_1m": [0.1, 64.0]}, [quiet])
+    assert busy.startswith("caveat: step times are rough here (load average up to 64.0 on")
+    # inclusive quartiles of 0.5, 1, 1.5, 2: (1.625 - 0.875) / 1.25
+    assert "spread of paired step times up to 60%" in load_caveat({"load_avg_1m": [0.1]}, [noisy])
+
+
+def test_plot_x_is_the_step_fraction_and_small_rows_get_a_zoom(tmp_path):
+    from swap_pass.bench.report import _curves, _zoom_limit, plot_memory
+    from swap_pass.bench.run import BenchReport
+
+    def row(label, peak_mib, ms):
+        return MethodResult(label, label, "ok", curve_ms=[0.0, 1.0, ms], curve_bytes=[0, peak_mib << 20, 0])
+
+    rows = [row("no swap", 200, 300.0), row("smart", 53, 500.0), row("recompute", 23, 600.0),
+            row("swap", 16, 900.0)]
+    report = BenchReport({"preset": {"name": "t"}, "device": "cpu"}, rows, {}, {})
+    curves = _curves(report)
+    assert [c[1][-1] for c in curves] == [1.0] * 4 and max(curves[3][2]) == 16.0
+    assert _zoom_limit(curves) == pytest.approx(23 * 1.15)  # 16 and 23 side by side
+    assert _zoom_limit(curves[:1]) is None
+    plot_memory(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_is_plain_text_and_names_defaults(capsys):
+    for command in ("demo", "bench", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text and "the preset's)" not in text.replace("the preset's;", "")
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 64)" in text and "(default: 16)" in text and "(default: 4)" in text

@@ -25,7 +25,8 @@ def test_demo_sizes_come_from_flags():
 
 def test_demo_rows_are_measured_and_compared():
     preset = demo_preset(layers=3, seq=64, batch=2, steps=3)
-    rows = {r.key: r for r in run_demo(preset, torch.device("cpu"), progress=False)}
+    report = run_demo(preset, torch.device("cpu"), progress=False)
+    rows = {r.key: r for r in report.rows}
     assert tuple(rows) == DEMO_METHODS
     assert rows["no_swap"].status == rows["recompute"].status == "ok"
     assert rows["recompute"].losses_match is True
@@ -36,7 +37,8 @@ def test_demo_rows_are_measured_and_compared():
         assert swap.peak_device_bytes_released > 0
     else:
         assert swap.status == "skipped" and "not available in this build" in swap.reason
-    text = format_demo(list(rows.values()), preset, torch.device("cpu"))
+    assert all(r.cpu_s > 0 and len(r.paired_ratios) == preset.timed_steps for r in rows.values())
+    text = format_demo(report, preset, torch.device("cpu"))
     assert "CPU allocator" in text and "swap_stats().peak_device_bytes_released" in text
     assert "yes (bitwise)" in text
 
@@ -45,7 +47,7 @@ def test_demo_command_prints_the_table(capsys):
     rc = main(["demo", "--layers", "2", "--seq", "32", "--hidden", "32", "--steps", "3", "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "model: 2 layers, hidden 32, batch 4, seq 32, fp32, on cpu" in out
+    assert "model: 2 layers, hidden 32, batch 4, seq 32, fp32, on cpu, 1 intra-op thread(s)" in out
     assert "full recompute" in out and "losses match no swap" in out
 
 
