@@ -109,6 +109,12 @@ class StepReport:
     micro_batches: int = 0
     units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
 
+    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
+        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
+                f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
+                f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
+                f"fell_back={self.fell_back}, micro_batches={self.micro_batches})")
+
 
 @dataclasses.dataclass
 class MicroBatchReport:
@@ -132,9 +138,8 @@ class MicroBatchReport:
     fell_back: bool = False
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
-        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
-                f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
-                f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
+        return (f"MicroBatchReport(saved={len(self.keys)}, plan={self.plan!r}, "
+                f"switched={self.switched}, by_structure={self.by_structure}, "
                 f"fell_back={self.fell_back})")
 
 

@@ -28,4 +28,5 @@ def test_smartswap_objects_print_short() -> None:
     assert "stage='stable'" in shown["smart"] and shown["policy"] in shown["smart"]
     assert f"records={len(smart.last_profile.records)}" in shown["profile"]
     assert "mode='planned'" in shown["report"]
+    assert all(len(repr(unit)) < SHORT for unit in smart.last_report.units)
     assert len(policy.summary()) < SHORT  # the human view stays short too
