@@ -19,7 +19,7 @@ from swap_pass.bench.run import BenchReport, load_caveat, run_bench
 __all__ = ["DEMO_METHODS", "demo_preset", "format_demo", "run_demo"]
 
 DEMO_METHODS = ("no_swap", "recompute", "eager_swap")
-DEFAULT_STEPS = 4  # per row: 1 warm-up, 2 timed, 1 profiled
+DEFAULT_STEPS = 3  # per row: 1 warm-up, 1 timed (and its paired no-swap step), 1 profiled
 
 def demo_preset(*, hidden: int | None = None, layers: int | None = None, seq: int | None = None,
                 batch: int | None = None, steps: int | None = None) -> BenchPreset:
