@@ -75,9 +75,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--smart-budget", type=float, default=0.25,
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
     p.add_argument("--no-smart-rows", action="store_true",
-                   help="skip SmartSwap's own rows (profiler overhead, budget, varying lengths; about 30 s on CPU)")
+                   help="skip SmartSwap's own rows (profiler overhead, budget, varying lengths: "
+                   "the longest part of the bench on CPU)")
     p.add_argument("--no-host-rows", action="store_true",
-                   help="skip the host CPU time per layer rows (about 5 s)")
+                   help="skip the host CPU time per layer rows (a few seconds)")
     p.add_argument("--megatron", action="store_true",
                    help="also a megatron-core GPTModel: swap_pass vs Megatron's fine-grained "
                    "offloading vs full recompute vs none (needs megatron-core and CUDA)")
