@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One check on a CUDA machine: install swap_pass, run the accelerator-only tests, run the
-# llama-8b-layer bench. Finishes in under 11 minutes (each stage has its own time limit).
+# One check on a CUDA machine: install swap_pass, run the accelerator-only tests, the stream
+# races with slowed side streams and one step of each path under TORCH_CUDA_SANITIZER=1, and the
+# llama-8b-layer bench. Finishes in under 15 minutes (each stage has its own time limit).
 #
 #   scripts/gpu_check.sh [WHEEL_DIR]
 #
 # WHEEL_DIR (or $WHEEL_DIR): a folder of wheels to install test dependencies from, offline;
 # scripts/fetch_test_wheels.sh fills one (run it where pip reaches PyPI).
 # Outputs go under $OUT when it is set, else ./gpu_check_out:
-#   env.txt, pytest-accelerator.txt, accelerator-junit.xml,
+#   env.txt, pytest-accelerator.txt, accelerator-junit.xml, pytest-races.txt, races-junit.xml,
 #   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
 #   bench-megatron.txt, bench-megatron.json,
 #   summary.txt
@@ -57,12 +58,22 @@ fi
 python3 -c "import swap_pass" || { summary "FAIL: swap_pass does not import"; exit 99; }
 
 # --- 3. accelerator-only tests (<= 140 s) -------------------------------------------------
+RACES=tests/reliability/test_cuda_races.py
 timeout 140 python3 -m pytest -q -m accelerator -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml "$OUT/accelerator-junit.xml" > "$OUT/pytest-accelerator.txt" 2>&1
+  --ignore "$RACES" --junitxml "$OUT/accelerator-junit.xml" > "$OUT/pytest-accelerator.txt" 2>&1
 rc=$?
 tail -n 15 "$OUT/pytest-accelerator.txt"
 if [ "$rc" -eq 0 ]; then summary "pytest -m accelerator: passed"
 else summary "pytest -m accelerator: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
+
+# --- 3b. stream races: torch.cuda._sleep on the side streams before each copy, 64 MiB layer
+# inputs, 3 steps, a second stream (and device); one step per path under the sanitizer (<= 240 s)
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs "$RACES" \
+  --junitxml "$OUT/races-junit.xml" > "$OUT/pytest-races.txt" 2>&1
+rc=$?
+tail -n 15 "$OUT/pytest-races.txt"
+if [ "$rc" -eq 0 ]; then summary "stream races (slowed side streams, TORCH_CUDA_SANITIZER=1): passed"
+else summary "stream races: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 
 # --- 4. bench, eager rows then compile rows (<= 170 s + 140 s) ----------------------------------
 plot() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/$1.png"; }

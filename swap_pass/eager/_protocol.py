@@ -5,7 +5,8 @@ Graph pattern (layer ``i`` of ``L``, one micro-batch)::
     forward:  x_i -> layer_i -> out_i
                      after it ran: group_i = swap_out(x_i)         (not for the last layer)
                                    free(groups of layer i-1 in "d2h" that are guarded)
-    backward: grad(out_i) -> [guard_i: restore(group_i); prefetch(layer i-1)] -> layer_i backward
+    backward: grad(out_i) -> [guard_i: restore(group_i); restore(group_{i-1});
+                              prefetch(group_{i-2})] -> layer_i backward
 
 Note: [Guard before the first reader]
     The guard is a gradient hook on the layer's outputs. A tensor hook on a non-leaf runs as a
@@ -13,6 +14,18 @@ Note: [Guard before the first reader]
     a checkpointed layer, which is triggered by those nodes or *is* that ``grad_fn``) runs after
     it. So the host-to-device copy is waited for before anything reads ``x_i``. MindSpeed waits
     in a hook on the *recomputed* output, after the recompute already read the input: a race.
+
+Note: [Readers outside the layer]
+    Layer ``i``'s own backward is not the first to read ``x_i``. An op outside the layer that
+    read ``x_i`` after it ran (``alpha * x_i``, a head on an intermediate hidden state), or the
+    recomputation of a checkpoint around layers ``i`` and ``i+1``, has an autograd node created
+    between layer ``i`` and layer ``i+1``: it runs after layer ``i+1``'s backward nodes and
+    before layer ``i``'s guard, and C++ kernels pass no Python guard. So layer ``i+1``'s guard
+    already makes ``x_i`` readable (the compute stream waits for its copy) and prefetches
+    ``x_{i-1}`` one layer further ahead; the copy of ``x_i`` overlapped layer ``i+2``'s
+    backward. The price: one more layer input on the device during backward. Python readers
+    further back (a checkpoint around three or more layers) restore the data when they read it
+    (see Note: [Guarding freed tensors]).
 
 Note: [No-grad first forward]
     Under reentrant checkpointing (and Megatron's ``CheckpointFunction``) the layer runs under
@@ -60,6 +73,7 @@ from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
 
 _GUARDED_ATTR = "_swap_pass_guarded"
+_PREVIOUS_ATTR = "_swap_pass_previous"  # weak reference: the previous layer's group, same micro-batch
 _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 
 
@@ -67,17 +81,21 @@ _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 
 
 class BackwardGuard:
-    """Gradient hook that makes one group readable and prefetches the previous layer.
+    """Gradient hook that makes one group and the previous layer's readable, and prefetches.
 
     Args:
         manager: The manager that owns ``group``.
         group: The layer input group to restore, or None (the last layer: prefetch only).
+        previous: The previous layer's group of the same micro-batch, when ``group`` is None.
+            Default: ``None`` (the one linked to ``group``).
     """
 
-    def __init__(self, manager: SwapLayerInputManager, group: SwapTensors | None) -> None:
+    def __init__(self, manager: SwapLayerInputManager, group: SwapTensors | None,
+                 previous: SwapTensors | None = None) -> None:
         self.manager = manager
         self.group = group
         self.fired = False
+        self._previous = _link(group) if group is not None else _weak(previous)
         self._finalizer = None
         if group is not None:
             setattr(group, _GUARDED_ATTR, True)
@@ -90,10 +108,22 @@ class BackwardGuard:
             self._let_go()
         if not self.fired:
             self.fired = True
-            prev = self.manager.previous
-            if prev is not None and prev.prefetch_enabled:
-                prev.prefetch()
+            self._ready_previous()
         return None
+
+    def _ready_previous(self) -> None:
+        """Ready the previous layer's input, prefetch the one before it (same micro-batch).
+
+        See Note: [Readers outside the layer].
+        """
+        prev, group = self.manager.previous, self._previous()
+        if prev is None or group is None:
+            return
+        if group.stat in (SwapState.HOST, SwapState.H2D):
+            prev.wait_swap_in(group)
+        before, earlier = prev.previous, _link(group)()
+        if before is not None and earlier is not None and before.prefetch_enabled:
+            before.prefetch(earlier)
 
     def _let_go(self) -> None:
         """Drop our references to the restored group (see Note: [Group lifetime]).
@@ -113,6 +143,22 @@ class BackwardGuard:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
         for t in tensors:
             t.register_hook(self)
+
+
+def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
+    return weakref.ref(group) if group is not None else lambda: None
+
+
+def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
+    """The previous layer's group of ``group``'s micro-batch, if it had one and it lives."""
+    return getattr(group, _PREVIOUS_ATTR, None) or (lambda: None)
+
+
+def _in_flight_out(manager: SwapLayerInputManager | None) -> SwapTensors | None:
+    """``manager``'s group of the micro-batch running now: the one still copying out."""
+    if manager is None:
+        return None
+    return next((g for g in reversed(manager.batch_stack) if g.stat == SwapState.D2H), None)
 
 
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
@@ -203,9 +249,12 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input
         free_previous(manager)  # and no later call can guard a group the region started
         return
+    previous = _in_flight_out(manager.previous)  # before free_previous moves it to the host
     group = None if manager.is_last_layer else manager.swap_out([hidden_states])
+    if group is not None:
+        setattr(group, _PREVIOUS_ATTR, _weak(previous))
     if outputs:
-        BackwardGuard(manager, group).attach(outputs)
+        BackwardGuard(manager, group, previous).attach(outputs)
     free_previous(manager)
 
 

@@ -139,9 +139,8 @@ def _output_died(key: int, transfer: _Transfer) -> None:
         if _transfers.get(key) is not transfer:
             return
         del _transfers[key]
-    if transfer.release is not None:
-        transfer.event.synchronize()  # the copy may still read the buffer
-        host_pool().release_deferred([transfer.release])  # no pool lock inside a finalizer
+    if transfer.release is not None:  # the copy may still read it: its event goes with it
+        host_pool().release_when_unread(transfer.release, transfer.event)  # lock-free
 
 
 def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
@@ -197,6 +196,7 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     ready = ds.record_event(ds.compute_stream())
     stream = ds.d2h_stream()
     ds.wait(stream, ready)
+    ds.wait(stream, host_pool().take_event(buf))  # the buffer's last copy, if still running
     ds.copy(stream, host, x)
     with _lock:
         _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
@@ -284,8 +284,8 @@ def _wait_for(t: torch.Tensor) -> None:
         return
     ds = device_streams(transfer.device, transfer.use_streams)
     ds.wait(ds.compute_stream(), transfer.event)
-    if transfer.release is not None:
-        host_pool().release(transfer.release)
+    if transfer.release is not None:  # a retained graph may read it again
+        host_pool().release_when_unread(transfer.release)
 
 
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from swap_pass.runtime import live_groups as _live_groups
 from swap_pass.runtime import stats as _stats
 from swap_pass.runtime.device import accelerator_type, device_streams, is_async_device
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
@@ -63,6 +64,7 @@ def reset() -> None:
         fn()
     SwapLayerInputManager.reset_all()
     discard_groups_off_device()
+    _live_groups.clear()
     host_pool().clear()
     rearm_warnings()
     _stats.clear(keep_gauges=True)

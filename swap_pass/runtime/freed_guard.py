@@ -12,6 +12,15 @@ storage is freed the object's class is :class:`_SwappedOut`, a ``torch.Tensor`` 
 object, autograd hooks) and raises :class:`~swap_pass.SwapDataError` naming the group for
 anything that could touch the data. Restoring sets the class back before the storage returns.
 
+The guard stays on from the free until the compute stream waits for the copy back
+(``wait_h2d``), not only until the storage is re-allocated: between ``swap_to_device`` and
+``wait_h2d`` the storage holds bytes the host-to-device copy is still writing. A Python-level
+reader in that window, or of a freed tensor while backward runs (the recomputation of a
+checkpoint around several layers reads the first layer's input before that layer's own backward
+guard fired), does not get an error: the guard completes the group's restore first (the reader
+is the consumer that waits), then lets the call through. In forward a read of a freed tensor
+still raises.
+
 What it does not cover: C++ readers (autograd's own kernels; they only run after the backward
 guard restored the data), code run under ``torch._C.DisableTorchFunction*``, and other Python
 objects over the same storage made before the swap (a ``.detach()`` or view taken earlier).
@@ -19,7 +28,8 @@ objects over the same storage made before the swap (a ``.detach()`` or view take
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -29,6 +39,7 @@ from swap_pass.runtime.errors import SwapDataError
 __all__ = ["guard_freed", "is_guarded", "unguard"]
 
 _WHERE = "_swap_pass_swapped_out"  # attribute naming the group, on a guarded tensor
+_RESTORE = "_swap_pass_restore"  # attribute: weak reference to the group's restore callback
 
 # Reading these touches no element of the tensor.
 _METADATA_METHODS = frozenset({
@@ -79,6 +90,8 @@ class _SwappedOut(torch.Tensor):
         if allowed:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if _restore_all(tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)  # the guarded tensors are plain tensors again
         guarded = next((t for t in tree_leaves((args, kwargs)) if is_guarded(t)), None)
         what = ("a swapped tensor" if guarded is None else
                 f"a tensor of {getattr(guarded, _WHERE)} (shape {tuple(guarded.shape)}, {guarded.dtype})")
@@ -95,22 +108,42 @@ def _repr(t: torch.Tensor) -> str:
             f"dtype={t.dtype}, device='{t.device}')")
 
 
+def _restore_all(leaves: list) -> bool:
+    """Restore the groups of every guarded leaf when a reader may wait for them; True if done.
+
+    A group in flight back to the device (``"h2d"``) is always restored: its data is coming and
+    the reader is its consumer. A freed group is restored only inside backward.
+    """
+    guarded = [t for t in leaves if is_guarded(t)]
+    for t in guarded:
+        restore = getattr(t, _RESTORE, None)
+        callback = restore() if restore is not None else None
+        if callback is None or not callback(torch._C._current_graph_task_id() != -1):
+            return False
+    return not any(is_guarded(t) for t in guarded)
+
+
 def is_guarded(obj: object) -> bool:
     """True for a tensor whose device storage is freed by a swap."""
     return type(obj) is _SwappedOut
 
 
-def guard_freed(tensors: Iterable[torch.Tensor], where: str) -> None:
+def guard_freed(tensors: Iterable[torch.Tensor], where: str,
+                restore: Callable[[bool], bool] | None = None) -> None:
     """Make Python-level reads and writes of ``tensors`` raise :class:`SwapDataError`.
 
     Args:
         tensors: Plain ``torch.Tensor`` objects whose storage was just freed.
         where: The group's name, shown in the error.
+        restore: A bound method ``restore(in_backward) -> bool`` that brings the data back (or
+            says it may not) for a reader; held weakly. Default: ``None`` (always raise).
     """
+    ref = weakref.WeakMethod(restore) if restore is not None else None
     for t in tensors:
         if type(t) is torch.Tensor:
             t.__class__ = _SwappedOut
             setattr(t, _WHERE, where)
+            setattr(t, _RESTORE, ref)
 
 
 def unguard(tensors: Iterable[torch.Tensor]) -> None:
@@ -119,3 +152,4 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
         if type(t) is _SwappedOut:
             t.__class__ = torch.Tensor
             delattr(t, _WHERE)
+            delattr(t, _RESTORE)

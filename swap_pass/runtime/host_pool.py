@@ -4,6 +4,23 @@ Fresh pinned allocations cost milliseconds and can synchronize the device, so a 
 after its host-to-device copy goes back to a bucket keyed by ``(nbytes, pinned)`` and serves the
 next request of that size. ``SwapConfig.max_host_bytes`` caps everything the pool holds, cached
 buffers included; cached buffers are dropped first when a request would pass the cap.
+
+Note: [A released buffer carries its last copy's event]
+A buffer may be given back while a copy on some stream still reads or writes it (its releaser
+ordered only its own stream after the copy, or none: a group dropping a storage another group
+took over). Keyed by size alone, it can go to a copy on another stream, thread or device that
+is not ordered after that one. So :meth:`HostBufferPool.release` takes the event of the
+buffer's last copy, and whoever takes the buffer gets it back from :meth:`take_event` and makes
+its own copy stream wait on it first: ordering without blocking the host.
+
+Note: [Buffers a graph may read again]
+A compiled graph keeps its ``swap_out`` host tensor for backward, and a graph kept with
+``backward(retain_graph=True)`` reads it again in its next backward. Released at the first
+backward's wait, the buffer would go to the next forward's ``swap_out``, which overwrites it:
+the retained graph's second backward reads another step's data. Such buffers are given back
+with :meth:`HostBufferPool.release_when_unread` and return to the pool only once nothing but
+the pool holds their storage (every graph that could read them is gone); they count as in use
+until then.
 """
 
 from __future__ import annotations
@@ -18,7 +35,15 @@ from swap_pass.runtime import stats
 from swap_pass.runtime.device import host_buffer_released
 from swap_pass.runtime.errors import HostMemoryError
 
-__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight"]
+__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight", "storage_use_count"]
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many holders ``t``'s storage has (tensors over it, storage objects), ours included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ONE_HOLDER = storage_use_count(torch.empty(1))
 
 
 def available_host_bytes() -> int:
@@ -41,10 +66,13 @@ class HostBufferPool:
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._in_use_bytes = 0
+        self._events: dict[int, object] = {}  # data_ptr -> event of the buffer's last copy
         # Buffers handed back from finalizers; see Note: [Releasing from __del__].
         self._deferred: collections.deque[tuple[list[torch.Tensor], int, dict[str, int]]] = (
             collections.deque()
         )
+        # Buffers back once nothing else holds them; see Note: [Buffers a graph may read again].
+        self._unread: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
 
     @property
     def bytes_in_use(self) -> int:
@@ -77,10 +105,35 @@ class HostBufferPool:
             self._take(nbytes, fresh=True)
         return buf
 
-    def release(self, buf: torch.Tensor) -> None:
-        """Give ``buf`` back for reuse. Its device copies must be ordered before any reuse."""
+    def release(self, buf: torch.Tensor, event: object = None) -> None:
+        """Give ``buf`` back for reuse.
+
+        Args:
+            buf: A buffer from :meth:`acquire`.
+            event: Recorded after the last copy that reads or writes ``buf``, when the
+                releaser has not ordered every later user after it. Default: ``None``.
+        """
         self.drain_deferred()
+        self._release_now(buf, event)
+
+    def _release_now(self, buf: torch.Tensor, event: object) -> None:
+        if event is not None:
+            with self._lock:
+                self._events[buf.data_ptr()] = event
         self._put_back(buf)
+
+    def release_when_unread(self, buf: torch.Tensor, event: object = None) -> None:
+        """Give ``buf`` back once the pool holds its storage alone (safe inside finalizers).
+
+        See Note: [Buffers a graph may read again]; ``event`` as in :meth:`release`.
+        """
+        self._unread.append((buf, event))
+
+    def take_event(self, buf: torch.Tensor) -> object:
+        """The event ``buf`` was released with (see Note: [A released buffer carries its last
+        copy's event]), or None; the caller's copy stream must wait on it before using ``buf``."""
+        with self._lock:
+            return self._events.pop(buf.data_ptr(), None)
 
     def release_deferred(self, bufs: list[torch.Tensor], **stat_deltas: int) -> None:
         """Queue ``bufs`` for release without taking any lock (safe inside ``__del__``).
@@ -102,7 +155,17 @@ class HostBufferPool:
         self._deferred.append(([], nbytes, {}))
 
     def drain_deferred(self) -> None:
-        """Apply what :meth:`release_deferred` and :meth:`forget` queued."""
+        """Apply what :meth:`release_deferred` and :meth:`forget` queued, and give back the
+        buffers of :meth:`release_when_unread` that nothing else holds any more."""
+        for _ in range(len(self._unread)):
+            try:
+                buf, event = self._unread.popleft()
+            except IndexError:
+                break
+            if storage_use_count(buf) == _ONE_HOLDER:
+                self._release_now(buf, event)
+            else:
+                self._unread.append((buf, event))
         while self._deferred:
             try:
                 bufs, forgotten, stat_deltas = self._deferred.popleft()
@@ -127,15 +190,24 @@ class HostBufferPool:
         stats.record(host_bytes_in_use=-nbytes)
 
     def clear(self) -> None:
-        """Drop every cached buffer (buffers in use are not touched)."""
+        """Drop every cached buffer (buffers in use are not touched; those a graph may still
+        read are given up: call it between runs)."""
         self.drain_deferred()
+        while self._unread:
+            self._release_now(*self._unread.popleft())
         with self._lock:
             dropped = self._free_bytes
-            self._free.clear()
-            self._free_bytes = 0
+            self._drop_cached()
         stats.record(host_bytes_reserved=-dropped)
 
     # --- internals ---
+
+    def _drop_cached(self) -> None:
+        for bucket in self._free.values():
+            for buf in bucket:
+                self._events.pop(buf.data_ptr(), None)
+        self._free.clear()
+        self._free_bytes = 0
 
     def _take(self, nbytes: int, *, fresh: bool) -> None:
         self._in_use_bytes += nbytes
@@ -148,8 +220,7 @@ class HostBufferPool:
         if max_host_bytes is None or self.bytes_reserved + nbytes <= max_host_bytes:
             return
         dropped = self._free_bytes
-        self._free.clear()
-        self._free_bytes = 0
+        self._drop_cached()
         stats.record(host_bytes_reserved=-dropped)
         if self._in_use_bytes + nbytes > max_host_bytes:
             raise HostMemoryError(

@@ -18,9 +18,12 @@ Stream protocol (``docs/design.md``, "Runtime"), no ``record_stream``:
 * ``wait_d2h``: the compute stream waits on ``e_d2h``; only then is the device storage freed, so
   the caching allocator cannot hand it out while the copy still reads it.
 * ``swap_to_device``: the storage is re-allocated on the compute stream, the h2d stream waits on
-  an event recorded after that, copies, records ``e_h2d``.
-* ``wait_h2d``: the compute stream waits on ``e_h2d`` before any reader; the host buffer goes back
-  to the pool (later d2h copies are ordered after this wait through the compute stream).
+  an event recorded after that, copies, records ``e_h2d``. The tensors stay guarded: nothing may
+  read the storage before the compute stream waits on ``e_h2d`` (a Python reader that tries
+  completes the restore first; see Note: [Guarding freed tensors]).
+* ``wait_h2d``: the compute stream waits on ``e_h2d`` before any reader, then the tensors are
+  unguarded; the host buffer goes back to the pool (later d2h copies are ordered after this wait
+  through the compute stream).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from swap_pass.config import OnHostExhausted, SwapConfig, check_config
-from swap_pass.runtime import stats
+from swap_pass.runtime import live_groups, stats
 from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.freed_guard import guard_freed, unguard
@@ -95,6 +98,7 @@ class _StorageEntry:
     tensors: list[torch.Tensor]
     versions: list[int]
     host: torch.Tensor | None = None
+    host_event: object = None  # the last copy of a reused host buffer, to order ours after
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -171,6 +175,8 @@ class SwapTensors:
         """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
         self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
         self._snapshot_versions()
+        for e in self._entries:  # see Note: [One storage, one live group]
+            live_groups.claim(self, e.storage)
         if not self._acquire_host_buffers():
             self.kept_on_device = True
         elif self._entries:
@@ -179,6 +185,8 @@ class SwapTensors:
             stream = stream or ds.d2h_stream()
             ds.wait(stream, ready)
             for e in self._entries:
+                ds.wait(stream, e.host_event)
+                e.host_event = None
                 ds.copy(stream, e.host, _bytes_view(e.storage))
             self._event = ds.record_event(stream)
             stats.record(swap_outs=1, swapped_out_bytes=self.nbytes)
@@ -194,7 +202,7 @@ class SwapTensors:
             self._event = None
             for e in self._entries:
                 ds.free_storage(e.storage)
-            guard_freed(self._freed_tensors(), self.name or "a swap group")
+            guard_freed(self._freed_tensors(), self.name or "a swap group", self._restore_for_reader)
             stats.record(device_bytes_released=self.nbytes)
         self.stat = SwapState.HOST
 
@@ -203,7 +211,6 @@ class SwapTensors:
         self._expect(SwapState.HOST, "SwapTensors.swap_to_device")
         if not self.kept_on_device and self._entries:
             ds = self._streams()
-            unguard(self._freed_tensors())
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
             stats.record(device_bytes_released=-self.nbytes)
@@ -223,7 +230,9 @@ class SwapTensors:
             ds = self._streams()
             ds.wait(ds.compute_stream(), self._event)
             self._event = None
+            unguard(self._freed_tensors())
             self._release_host_buffers()
+        self._leave_registry()
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
 
@@ -250,9 +259,11 @@ class SwapTensors:
         elif self.stat in (SwapState.HOST, SwapState.H2D):
             if self.stat == SwapState.H2D:
                 self._streams().wait(self._streams().compute_stream(), self._event)
+                unguard(self._freed_tensors())
             elif not self.kept_on_device:
                 stats.record(device_bytes_released=-self.nbytes)
             self._release_host_buffers()
+        self._leave_registry()
         self._entries = []
         self.tensors = []
         self.kept_on_device = False
@@ -272,6 +283,16 @@ class SwapTensors:
                 bufs, **({"device_bytes_released": -self.nbytes} if freed else {}))
         except Exception:  # interpreter shutdown: the pool may already be gone
             pass
+
+    def _restore_for_reader(self, in_backward: bool) -> bool:
+        """A guarded tensor of the group is about to be read: restore it if that is safe.
+
+        Data in flight back (``"h2d"``) is always waited for; freed data is brought back only
+        inside backward (in forward the read is an error). Returns whether the data is back.
+        """
+        if self.stat == SwapState.H2D or (in_backward and self.stat == SwapState.HOST):
+            self.restore()
+        return self.stat == SwapState.DEVICE
 
     def assert_on_device(self, reader: str = "reader") -> None:
         """Raise unless the group's data is on the device and readable (used by every reader)."""
@@ -309,6 +330,7 @@ class SwapTensors:
         try:
             for e in self._entries:
                 e.host = pool.acquire(e.nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
+                e.host_event = pool.take_event(e.host)
         except HostMemoryError:
             self._release_host_buffers()
             if self.config.on_host_exhausted == OnHostExhausted.ERROR:
@@ -318,19 +340,34 @@ class SwapTensors:
             return False
         return True
 
-    def _release_host_buffers(self) -> None:
+    def _release_host_buffers(self, event: object = None) -> None:
         pool = host_pool()
         for e in self._entries:
             if e.host is not None:
-                pool.release(e.host)
+                pool.release(e.host, event)
                 e.host = None
         _holding_host_buffers.discard(self)
 
+    def _leave_registry(self) -> None:
+        live_groups.release_all(self, [e.storage for e in self._entries])
+
+    def drop_storage(self, key: int) -> None:
+        """A newer group took over a storage of ours (see Note: [One storage, one live group])."""
+        if self.stat not in (SwapState.DEVICE, SwapState.D2H):
+            return  # freed storages are never claimed; nothing to give up
+        for idx, e in enumerate(self._entries):
+            if live_groups.storage_key(e.storage) == key:
+                if e.host is not None:
+                    host_pool().release(e.host, self._event)  # our copy may still write it
+                del self._entries[idx]
+                self.tensors = [t for t in self.tensors if all(t is not u for u in e.tensors)]
+                return
+
     def _abandon_d2h(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()  # the copy must finish writing before its buffer is reused
-            self._event = None
-        self._release_host_buffers()
+        # The copy may still write the buffers: whoever takes them next waits on its event.
+        self._release_host_buffers(self._event)
+        self._event = None
+        self._leave_registry()
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
 

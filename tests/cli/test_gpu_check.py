@@ -17,6 +17,7 @@ def test_script_parses_and_runs_the_required_stages():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     text = SCRIPT.read_text()
     assert "pytest -q -m accelerator" in text
+    assert "tests/reliability/test_cuda_races.py" in text and "TORCH_CUDA_SANITIZER" in text
     assert 'PRESET="${GPU_CHECK_PRESET:-llama-8b-layer}"' in text
     assert '--json "$OUT/$1.json"' in text and "timeout" in text
     assert "pip install --no-deps --no-build-isolation -e ." in text

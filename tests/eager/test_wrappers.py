@@ -111,8 +111,9 @@ def test_prefetch_starts_previous_layer_before_its_backward():
                                         for grp in l.swap_manager.batch_stack]))
     train_step(model, batch())
     # Module backward pre-hooks run just before each layer's output guard. When layer 2's
-    # backward begins, layer 3's guard has already started layer 2's H2D (prefetch), and so on.
-    assert states == [["host", "host", "host"], ["host", "host", "h2d"], ["host", "h2d"], ["h2d"]]
+    # backward begins, layer 3's guard has already made layer 2's input readable (out of the
+    # FIFO) and started layer 1's H2D (prefetch, two layers ahead), and so on.
+    assert states == [["host", "host", "host"], ["host", "h2d"], ["h2d"], []]
 
 
 def test_last_layer_never_swapped_and_first_layer_is():

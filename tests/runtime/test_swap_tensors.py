@@ -218,7 +218,7 @@ def test_in_place_write_during_d2h_detected(device) -> None:
         group.wait_d2h()
 
 
-def test_freed_tensors_are_guarded_from_wait_d2h_to_swap_to_device(device) -> None:
+def test_freed_tensors_are_guarded_from_wait_d2h_to_wait_h2d(device) -> None:
     # Only calls that cannot touch freed data run here; data reads and writes of guarded
     # tensors are in tests/reliability/test_freed_guard.py, in child processes.
     base = torch.randn(64, device=device)
@@ -235,9 +235,21 @@ def test_freed_tensors_are_guarded_from_wait_d2h_to_swap_to_device(device) -> No
     with pytest.raises(swap_pass.SwapDataError, match=r"Tensor\.data \(get\) was called on a tensor of layers\[3\]"):
         base.data  # an alias over the freed storage would crash its first reader
     group.swap_to_device()
-    assert type(base) is torch.Tensor and type(view) is torch.Tensor
+    assert is_guarded(base), "the copy back may still be writing the storage"
     group.wait_h2d()
+    assert type(base) is torch.Tensor and type(view) is torch.Tensor
     assert not hasattr(base, "_swap_pass_swapped_out")
+
+
+def test_reading_a_tensor_in_flight_back_waits_for_its_copy(device) -> None:
+    x = torch.randn(64, device=device)
+    expected = x.clone()
+    group = SwapTensors([x, x[8:]])
+    group.swap_to_host()
+    group.wait_d2h()
+    group.swap_to_device()
+    assert torch.equal(x * 1, expected * 1)  # the reader completed the restore first
+    assert group.stat == "device" and not is_guarded(x)
 
 
 def test_discarded_host_group_stays_guarded(device) -> None:

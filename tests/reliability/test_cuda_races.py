@@ -1,0 +1,194 @@
+"""The stream races of tests/*/test_races.py on a real CUDA device, with the side streams slowed.
+
+Each copy issued on a side stream is preceded by ``torch.cuda._sleep`` on that same stream, so
+a reader that is not ordered after the copy runs first and reads the data the copy has not
+written yet; the compute stream is never slowed (that would hide consumer-side races). Layer
+inputs are 64 MiB, three or more steps run so pooled host buffers are reused, and a second
+stream (and a second device where present) takes part. The last test runs one step of the
+eager, graph and SmartSwap paths under ``TORCH_CUDA_SANITIZER=1`` in a child process.
+
+This file tests CUDA itself: it calls ``torch.cuda`` directly (``_sleep``, streams, the
+sanitizer), which device-generic library code never does. Run by ``scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import swap_pass
+from swap_pass.runtime.device import DeviceStreams
+
+pytestmark = [
+    pytest.mark.accelerator,
+    pytest.mark.no_stream_model,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
+]
+
+HIDDEN, TOKENS = 4096, 4096  # one layer input: 4096 x 4096 float32 = 64 MiB
+SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any of these layers' kernels
+STEPS = 3
+
+
+@pytest.fixture
+def slow_side_streams(monkeypatch):
+    """Queue a sleep on the side stream before every copy the runtime issues there."""
+    copy = DeviceStreams.copy
+
+    def slowed(self, stream, dst, src):
+        if stream is not None and stream != self.compute_stream():
+            with self.use(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        copy(self, stream, dst, src)
+
+    monkeypatch.setattr(DeviceStreams, "copy", slowed)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, passthrough: bool = False) -> None:
+        super().__init__()
+        self.passthrough = passthrough  # returns its input: one storage in two groups
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x if self.passthrough else x + self.fc(torch.tanh(self.norm(x)))
+
+
+class Stack(torch.nn.Module):
+    """Four blocks; ``mode`` picks the interleaving the race needs."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.layers = torch.nn.ModuleList(Block(mode == "identity" and i == 1) for i in range(4))
+        self.alpha = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        if self.mode == "segment":  # one checkpoint around two swapped layers
+            h = checkpoint(lambda t: self.layers[1](self.layers[0](t)), x, use_reentrant=False)
+            h = checkpoint(lambda t: self.layers[3](self.layers[2](t)), h, use_reentrant=False)
+            return h.float().pow(2).mean()
+        extra = 0
+        for idx, layer in enumerate(self.layers):
+            x_in = x
+            x = layer(x)
+            if self.mode == "alpha" and idx == 1:
+                extra = (self.alpha * x_in).pow(2).mean()
+        return x.pow(2).mean() + extra
+
+
+def _steps(model, data, stream=None):
+    out = []
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            loss = model(data[step])
+            loss.backward()
+        torch.cuda.synchronize()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def _assert_same(ref, got):
+    for (rl, rg), (gl, gg) in zip(ref, got):
+        assert torch.equal(rl, gl)
+        for a, b in zip(rg, gg):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["segment", "alpha", "identity", "plain"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_eager_exact_with_slow_side_streams(slow_side_streams, mode, prefetch):
+    torch.manual_seed(0)
+    ref = Stack(mode).cuda()
+    model = Stack(mode).cuda()
+    model.load_state_dict(ref.state_dict())
+    data = [torch.randn(TOKENS, HIDDEN, device="cuda", requires_grad=True) for _ in range(STEPS)]
+    expected = _steps(ref, data)
+    with swap_pass.enable_swap_layer_input(model, config=swap_pass.SwapConfig(prefetch=prefetch)):
+        got = _steps(model, data)
+        other = torch.cuda.Stream()  # the same steps with another compute stream: pooled reuse
+        got_other = _steps(model, data, other)
+    _assert_same(expected, got)
+    _assert_same(expected, got_other)
+    assert swap_pass.swap_stats().peak_device_bytes_released >= TOKENS * HIDDEN * 4
+
+
+def test_two_devices_share_the_pool(slow_side_streams):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices; this machine has one")
+    results = []
+    for dev in ("cuda:0", "cuda:1"):
+        torch.manual_seed(0)
+        model = Stack("plain").to(dev)
+        data = [torch.randn(TOKENS, HIDDEN, device=dev, requires_grad=True) for _ in range(STEPS)]
+        with torch.cuda.device(dev):
+            ref = _steps(model, data)
+            with swap_pass.enable_swap_layer_input(model):
+                got = _steps(model, data)
+        _assert_same(ref, got)
+        results.append(got)
+
+
+def test_retained_graph_compiled_with_slow_side_streams(slow_side_streams):
+    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+
+    cfg = LlamaConfig(hidden_size=1024, num_layers=3, num_heads=8, intermediate_size=2048,
+                      vocab_size=256, max_seq_len=4096)
+
+    def run(backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaStyleModel(cfg).cuda()
+        compiled = torch.compile(model, backend=backend)
+        ids, labels = make_batch(cfg, 4, 4096, device="cuda")  # 4 x 4096 x 1024 fp32 = 64 MiB
+        loss = compiled(ids, labels)
+        loss.backward(retain_graph=True)
+        for seed in range(1, STEPS):  # new forwards take the pooled host buffers
+            compiled(*make_batch(cfg, 4, 4096, seed=seed, device="cuda")).backward()
+        loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = run("aot_eager")
+    got = run(swap_pass.make_swap_backend("aot_eager"))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+_SANITIZED_STEP = textwrap.dedent("""
+    import torch, swap_pass
+    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+    cfg = LlamaConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=512, vocab_size=128)
+    model = LlamaStyleModel(cfg, recompute=True).cuda()
+    ids, labels = make_batch(cfg, 2, 128, device="cuda")
+    path = {path!r}
+    if path == "eager":
+        with swap_pass.enable_swap_layer_input(model):
+            model(ids, labels).backward()
+    elif path == "graph":
+        torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"))(ids, labels).backward()
+    else:
+        with swap_pass.SmartSwap(model, memory_budget=0.5) as smart:
+            for _ in range(3):
+                model(ids, labels).backward(); smart.step()
+    torch.cuda.synchronize()
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("path", ["eager", "graph", "smart"])
+def test_one_step_under_the_cuda_sanitizer(path):
+    """CSAN reports any kernel pair on two streams touching one tensor without an event between."""
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SANITIZED_STEP.format(path=path)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CSAN" not in proc.stderr, proc.stderr[-3000:]
