@@ -160,6 +160,8 @@ _cpu_model = None
 
 def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
     """Return the (cached) :class:`DeviceStreams` of ``device``."""
+    if _cpu_model is not None and torch.device(device).type == "cpu":
+        return _cpu_model.streams(torch.device(device), use_streams)
     if type(device) is torch.device and device.index is not None or device == _CPU:
         # Fast path, taken on every copy: a complete device needs no normalizing, and a plain
         # dict read is atomic (only the first call per key takes the lock below).
@@ -167,8 +169,6 @@ def device_streams(device: torch.device | str, use_streams: bool = True) -> Devi
         if cached is not None:
             return cached
     dev = torch.device(device)
-    if dev.type == "cpu" and _cpu_model is not None:
-        return _cpu_model.streams(dev, use_streams)
     if dev.type != "cpu" and dev.index is None:
         dev = torch.device(dev.type, torch.accelerator.current_device_index())
     key = (dev, use_streams)
