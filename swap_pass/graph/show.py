@@ -1,6 +1,6 @@
-"""Print ``docs/graph.md``: a 3-layer model's graphs before and after the swap passes.
+"""Print a 3-layer model's graphs before and after the swap passes (the dumps docs/graph.md cites).
 
-Run ``python -m swap_pass.graph.show > docs/graph.md`` (CPU, a few seconds).
+Run ``python -m swap_pass.graph.show`` (CPU, a few seconds).
 """
 
 from __future__ import annotations
@@ -19,56 +19,13 @@ __all__ = ["main", "render"]
 _CFG = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32,
                    max_seq_len=16)
 
-_INTRO = """# The graph path
+_INTRO = """# swap_pass graph dumps
 
-`swap_pass` swaps each Transformer layer's input (the residual stream) to host memory in
-traced and compiled graphs, with explicit `torch.ops.swap_pass.*` nodes:
-
-| op | what it does |
-|---|---|
-| `swap_out(x)` | starts the device-to-host copy of `x` into a pooled host buffer (d2h stream); returns the host tensor |
-| `wait(t, keepalive)` | makes the compute stream wait for the copy that produced `t`; `keepalive` (the source) lives until here; after an H2D it returns the host buffer to the pool |
-| `prefetch(host, device, size, stride)` | allocates the device tensor on the compute stream and starts the host-to-device copy (h2d stream) |
-| `swap_in(...)` | `prefetch` + `wait` in one (used with `SwapConfig(prefetch=False)`) |
-
-All four go through `swap_pass.runtime` (streams, host pool and `max_host_bytes`, `swap_stats()`,
-`reset()`), have fake kernels (Dynamo, `make_fx`, `torch.export`, AOTAutograd, Inductor) and
-real CPU kernels, so the whole path runs and is tested without an accelerator.
-
-Ways in:
-
-```python
-import swap_pass
-print(swap_pass.find_layer_boundaries(gm))                     # what the passes act on
-gm = swap_pass.apply_swap_pass(torch.fx.symbolic_trace(model))  # eager autograd on a traced graph
-compiled = torch.compile(model, backend=swap_pass.swap_backend)  # torch.compile (Inductor)
-backend = swap_pass.make_swap_backend("aot_eager", layer_filter=r"model\\.layers\\.\\d+",
-                                      config=swap_pass.SwapConfig(prefetch=True))
-```
-
-* `find_layer_boundaries` finds the largest family of same-class modules named
-  `<parent>.<index>` from `call_module` targets or `meta["nn_module_stack"]`
-  (`fwd_nn_module_stack` in backward graphs); `layer_filter` (regex on the module name with
-  `re.fullmatch`, classes, or a callable) overrides the guess.
-* `apply_swap_pass` (eager autograd) frees a layer's input in place when the next layer starts and
-  restores it in the backward of an autograd Function on the next layer's input, which runs before
-  any backward node of the layer (checkpoint recompute included). Gradients are bitwise equal.
-* `swap_backend` rewrites the partitioned forward/backward pair (Inductor's own pipeline through
-  its custom-partitioner hook; min-cut for the others): the saved layer input is swapped out as
-  soon as it exists, its `wait` sits where the next layer starts, the host copy is what is saved;
-  the backward prefetches it before the first backward node of the layer after it and waits right
-  before its first reader. Gradients: bitwise equal to `aot_eager` without swap; within
-  rtol=1e-5/atol=1e-6 of Inductor without swap (observed bitwise on CPU; swap nodes are fusion
-  barriers, so kernels around them may be ordered differently).
-
-Known limits: `wait` returns an alias, so it cannot itself be traced through functionalization
-(it is inserted after partitioning, as PyTorch's `ao.wait_tensor` is); `inner="npu"` hands the
-graphs to torchair's compiler, which needs converters for the `swap_pass` ops (untested here);
-`SwapConfig(on_host_exhausted="keep_on_device")` is not honoured by the compiled path (a full
-host pool raises `HostMemoryError`).
-
-The graphs below are printed by `python -m swap_pass.graph.show` for a 3-layer model with
-activation checkpointing (`LlamaStyleModel(recompute=True)`), so each layer saves only its input.
+Printed by `python -m swap_pass.graph.show` (what the passes do is in docs/graph.md): a 3-layer
+`LlamaStyleModel(recompute=True)` (hidden 16, batch 2, seq 8), so each layer saves only its input;
+the compile graphs come from `make_swap_backend("aot_eager")` (layer-input mode) and, at the end,
+what `make_swap_backend("aot_eager", memory_budget=0.5)` chooses for the same model without
+checkpointing.
 """
 
 
@@ -82,7 +39,7 @@ def _code(gm: fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def _capture(backend_inner):
+def _capture(backend_inner, recompute: bool = True):
     """Forward/backward graphs after partitioning, with and without swap."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
@@ -98,7 +55,7 @@ def _capture(backend_inner):
                                                   partition_fn=plain)),
                           ("after", backend_inner)):
         torch.manual_seed(0)
-        model = LlamaStyleModel(_CFG, recompute=True)
+        model = LlamaStyleModel(_CFG, recompute=recompute)
         torch._dynamo.reset()
         torch.compile(model, backend=backend, fullgraph=True)(*make_batch(_CFG, 2, 8)).backward()
     part = backend_inner.partitions[-1]
@@ -132,7 +89,7 @@ def _eager_pass_section() -> list[str]:
 
 
 def render() -> str:
-    """The whole of ``docs/graph.md``."""
+    """The dumps: layer boundaries, graphs before and after each pass, budget mode's choice."""
     backend = make_swap_backend("aot_eager")
     (fw0, bw0), (fw1, bw1), swapped = _capture(backend)
     out = [_INTRO, *_eager_pass_section(), "## `swap_backend`: what it swapped", "", "```",
@@ -140,7 +97,19 @@ def render() -> str:
     for title, gm in (("Forward graph before the pass", fw0), ("Forward graph after the pass", fw1),
                       ("Backward graph before the pass", bw0), ("Backward graph after the pass", bw1)):
         out += [f"### {title}", "", "```python", _code(gm), "```", ""]
-    return "\n".join(out)
+    return "\n".join(out + _budget_section())
+
+
+def _budget_section() -> list[str]:
+    from swap_pass.graph.budget import CostModel
+
+    backend = make_swap_backend("aot_eager", memory_budget=0.5,
+                                cost_model=CostModel(copy_bytes_per_s=25e9, flops_per_s=1e12))
+    _, (fw, bw), _ = _capture(backend, recompute=False)
+    return ["## Budget mode (no checkpointing, `memory_budget=0.5`)", "", "```",
+            backend.partitions[-1].summary(), "```", "", "### Forward graph after the pass", "",
+            "```python", _code(fw), "```", "", "### Backward graph after the pass", "", "```python",
+            _code(bw), "```", ""]
 
 
 def main() -> None:

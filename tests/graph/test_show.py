@@ -8,7 +8,7 @@ from swap_pass.graph.show import render
 
 
 def test_show_prints_graphs_before_and_after():
-    text = render()
+    text, budget = render().split("## Budget mode")
     before_fw, after_fw = text.split("### Forward graph before the pass")[1].split(
         "### Forward graph after the pass")
     after_fw, rest = after_fw.split("### Backward graph before the pass")
@@ -19,4 +19,5 @@ def test_show_prints_graphs_before_and_after():
     assert after_bw.count("torch.ops.swap_pass.prefetch") == 2
     assert after_bw.count("torch.ops.swap_pass.wait") == 2
     assert "swap_pass_release_model_layers_1" in text
+    assert "budget: " in budget and "torch.ops.swap_pass.swap_out" in budget
     torch._dynamo.reset()
