@@ -7,7 +7,7 @@ the host pool, so the profiled step allocates no host buffer (checked). Gradient
 bitwise.
 
 Usage: python scripts/graph_peak.py [--layers 4 --hidden 64 --batch 8 --seq 512 --inner inductor
-                                     --budget 0.5]
+                                     --budget 0.5 --rows budget,layer_input]
 """
 
 from __future__ import annotations
@@ -61,11 +61,14 @@ def main() -> None:
     p.add_argument("--inner", default="inductor")
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", default="budget,layer_input", help="budget, layer_input or both")
     args = p.parse_args()
     x_bytes = args.batch * args.seq * args.hidden * 4
-    rows = (("budget, no checkpointing", make_swap_backend(args.inner, memory_budget=args.budget), False),
-            ("layer inputs, checkpointing", make_swap_backend(args.inner), True))
-    for label, backend, checkpoint in rows:
+    rows = {"budget": ("budget, no checkpointing", dict(memory_budget=args.budget), False),
+            "layer_input": ("layer inputs, checkpointing", {}, True)}
+    for key in args.rows.split(","):
+        label, options, checkpoint = rows[key]
+        backend = make_swap_backend(args.inner, **options)
         t0 = time.time()
         peak, grads = _run(args, backend, checkpoint)
         ref_peak, ref_grads = _run(args, args.inner, checkpoint)

@@ -117,6 +117,11 @@ def _compile_swap(model: nn.Module, ctx: BenchContext) -> Runner:
     return _compiled(make_swap_backend(inner=ctx.compile_inner))(model)
 
 
+def _compile_budget(model: nn.Module, ctx: BenchContext) -> Runner:
+    make_swap_backend = require("swap_pass", "make_swap_backend")
+    return _compiled(make_swap_backend(inner=ctx.compile_inner, memory_budget=0.5))(model)
+
+
 def _with_context(model: nn.Module, make_ctx: Callable[[], contextlib.AbstractContextManager]) -> Runner:
     def forward(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with make_ctx():
@@ -166,6 +171,9 @@ METHODS: list[Method] = [
     Method("compile", "recompute, compiled (no swap)", _compile_plain, recompute=True),
     Method("compile_swap", "recompute + swap (compile)", _compile_swap, recompute=True,
            reference="compile"),
+    Method("compile_plain", "compiled (no swap)", _compile_plain),
+    Method("compile_budget", "swap @ budget 0.5 (compile)", _compile_budget,
+           reference="compile_plain"),
     Method("save_on_cpu", "torch save_on_cpu", _save_on_cpu),
     Method("smartswap", "SmartSwap @ budget", _smartswap),
     Method("torchtune", "torchtune OffloadActivations", _torchtune),

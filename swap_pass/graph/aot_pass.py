@@ -149,10 +149,18 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 
 def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """The last tensor computed before ``node`` (not a graph input): what it must wait for."""
+    """The last matmul-class result computed before ``node``: what its wait must come after.
+
+    Note: [Which tensor a wait depends on]
+    A matmul's result is an extern kernel's output that every compiler materialises anyway, so
+    depending on it pins the wait without changing what Inductor fuses (depending on a pointwise
+    intermediate would force it into memory and can change rounding, e.g. FMA contraction).
+    """
+    from torch.utils.flop_counter import flop_registry
+
     cur = node.prev
     while cur.op != "root":
-        if cur.op == "call_function" and _tensor_val(cur) is not None:
+        if cur.op == "call_function" and getattr(cur.target, "overloadpacket", None) in flop_registry:
             return cur
         cur = cur.prev
     return None
