@@ -32,7 +32,11 @@ Note: [No-grad first forward]
     ``no_grad``: its outputs carry no graph to hook. Its input ``x_i`` still requires grad. Its
     group is guarded by the *next* layer call, whose input is this layer's checkpoint output:
     a hook on it runs before this layer's ``CheckpointFunctionBackward`` (the recompute). A
-    group that no call could guard is never freed; it is abandoned (data stays on device).
+    group that no call could guard is never freed; it is abandoned (data stays on device). A
+    reentrant segment of several layers checkpoints as one: its inner layers' inputs need no
+    grad and are never copied; its first layer's group is guarded by the next segment's first
+    call (whose input is this segment's output); the last segment's, which nothing can guard, is
+    abandoned once the last layer has run, so no host buffer outlives the step.
 
 Note: [Grad mode at layer entry]
     Whether a call is a no-grad first forward is read from the grad mode when the layer is
@@ -162,9 +166,11 @@ def _in_flight_out(manager: SwapLayerInputManager | None) -> SwapTensors | None:
 
 
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
-    """Finalizer: the graph holding the guard is gone, so nobody will read ``group`` again."""
+    """Finalizer: the graph holding the guard is gone without a backward (dropped loss, eval
+    with grad). Autograd will not read ``group`` again, but whoever passed the tensor in may:
+    its data goes back to the device, then the group is forgotten."""
     if group.stat != SwapState.DEVICE or any(g is group for g in manager.batch_stack):
-        manager.discard(group)
+        manager.wait_swap_in(group)
 
 
 def is_guarded(group: SwapTensors) -> bool:
@@ -175,17 +181,23 @@ def is_guarded(group: SwapTensors) -> bool:
 # --- forward-side steps ---------------------------------------------------------------------
 
 
-def free_previous(manager: SwapLayerInputManager) -> None:
-    """Free the previous layer's inputs whose D2H is running; abandon the unguarded ones."""
+def _copying_earlier(manager: SwapLayerInputManager):
+    """``(manager, group)`` for the groups of earlier layers whose D2H is running."""
     prev = manager.previous
-    if prev is None:
-        return
-    for group in list(prev.batch_stack):
-        if group.stat != SwapState.D2H:
-            continue
+    while prev is not None:
+        for group in list(prev.batch_stack):
+            if group.stat == SwapState.D2H:
+                yield prev, group
+        prev = prev.previous
+
+
+def free_previous(manager: SwapLayerInputManager, abandon: bool = True) -> None:
+    """Free earlier layers' inputs whose D2H is running; abandon the unguarded ones (if
+    ``abandon``: a later call may still guard them otherwise)."""
+    for prev, group in _copying_earlier(manager):
         if is_guarded(group):
             group.wait_d2h()
-        else:
+        elif abandon:
             prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
 
 
@@ -204,15 +216,25 @@ def _left_region(hidden_states: torch.Tensor) -> bool:
             and not _in_region(hidden_states))
 
 
+def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
+    """The last layer ran: no later call can guard what is still unguarded; keep it on device."""
+    for prev, group in _copying_earlier(manager):
+        if not is_guarded(group):
+            prev.wait_swap_in(group)
+
+
 def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> None:
-    """Guard the previous layer's newest unguarded group on our input (see Note: [No-grad first
-    forward]); only an input that left its checkpointed region can guard."""
-    prev = manager.previous
-    if prev is None or not _left_region(hidden_states):
+    """Guard earlier layers' unguarded groups on our input (see Note: [No-grad first forward]);
+    only an input that left its checkpointed region can guard.
+
+    Under reentrant checkpointing of segments of several layers, our input is the previous
+    segment's output and the unguarded groups are the inputs of that segment's first layer.
+    """
+    if not _left_region(hidden_states):
         return
-    pending = [g for g in prev.batch_stack if g.stat == SwapState.D2H and not is_guarded(g)]
-    if pending:
-        BackwardGuard(prev, pending[-1]).attach([hidden_states])
+    for prev, group in list(_copying_earlier(manager)):
+        if not is_guarded(group):
+            BackwardGuard(prev, group).attach([hidden_states])
 
 
 def abandon_own_unguarded(manager: SwapLayerInputManager) -> None:
@@ -238,19 +260,29 @@ def _mark_region_outputs(result: Any, api: str) -> None:
             setattr(t, _REGION_OUTPUT_ATTR, t.grad_fn._sequence_nr())
 
 
+def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
+                 grad_at_entry: bool) -> list[torch.Tensor]:
+    """At the layer's entry: the input, if it is to be swapped and may leave the device."""
+    kept = grad_at_entry or (hidden_states.requires_grad and not _in_region(hidden_states))
+    if manager.is_last_layer or not kept:
+        return []
+    return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
+
+
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
-                        result: Any, api: str, grad_at_entry: bool) -> None:
+                        claimed: list[torch.Tensor], result: Any, api: str,
+                        grad_at_entry: bool) -> None:
     if grad_at_entry:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
     else:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at layer entry])
         _mark_region_outputs(result, api)
         outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
-    if not kept:  # inference, or inside a checkpointed region: nothing keeps the input
-        free_previous(manager)  # and no later call can guard a group the region started
+    if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
+        free_previous(manager, abandon=False)  # the region started waits for the next region
         return
     previous = _in_flight_out(manager.previous)  # before free_previous moves it to the host
-    group = None if manager.is_last_layer else manager.swap_out([hidden_states])
+    group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
         setattr(group, _PREVIOUS_ATTR, _weak(previous))
     if outputs:
@@ -266,6 +298,7 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     every group of the layer's tag back to the device before it propagates.
     """
     manager: SwapLayerInputManager = layer.swap_manager
+    manager.ensure_registered()
     hidden_states = find_hidden_states(args, kwargs, api)
     check_device(layer, hidden_states, api)
     if in_backward():  # recomputation inside backward: the input is already back
@@ -274,8 +307,11 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
         guard_previous_on_input(manager, hidden_states)
+        claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
-        _swap_after_forward(manager, hidden_states, result, api, grad_at_entry)
+        _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)
+        if manager.is_last_layer:
+            abandon_unguarded_earlier(manager)
     except BaseException:
         abort_tag(manager.module_tag)
         raise

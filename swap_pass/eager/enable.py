@@ -5,11 +5,19 @@ modules: HF ``model.layers``, GPT-2 ``transformer.h``, torchtitan's ``layers`` (
 ``nn.TransformerEncoder.layers``),
 gives each block a manager under a tag of its own and shadows the block's ``forward`` with an
 instance attribute. ``handle.remove()`` deletes exactly what was added.
+
+Note: [Copies of an enabled model]
+    ``copy.deepcopy`` (EMA, reference models, ``AveragedModel``) and ``pickle`` /
+    ``torch.save(model)`` copy the shadowing ``forward`` (a :class:`_SwappedForward` bound to its
+    block, not a closure over the original block), the handle and the managers. A manager copies
+    itself as a fresh manager with no group in flight, registered under a new tag that every
+    manager of the same copy shares; so the copy swaps its own blocks, independently of the
+    original, and its own ``handle.remove()`` restores it. Copying while a forward's groups are
+    still off the device (before its backward) is refused: the groups' data is not part of it.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +31,26 @@ __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks
 
 _API = "enable_swap_layer_input"
 _HANDLE_ATTR = "_swap_pass_handle"
-_MISSING = object()
+
+
+class _SwappedForward:
+    """A block's instance-level ``forward``: its own forward under the SwapLayerInput protocol.
+
+    Args:
+        layer: The block.
+        inner: The instance-level ``forward`` the block had before, or None (its class's).
+    """
+
+    def __init__(self, layer: nn.Module, inner: Any | None) -> None:
+        self.layer = layer
+        self.inner = inner
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(layer.forward) sees the real signature
+        return self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _protocol.run_layer(self.layer, self.__wrapped__, args, kwargs, _API)
 
 
 def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
@@ -62,25 +89,19 @@ class SwapLayerInputHandle:
     def __init__(self, model: nn.Module, layers: list[nn.Module], config: SwapConfig) -> None:
         self.model = model
         self.layers = layers
-        self.module_tag = f"{_API}:{type(model).__name__}@{id(model):x}"
+        tag = f"{_API}:{type(model).__name__}@{id(model):x}"
         self.managers: list[SwapLayerInputManager] = []
-        self._saved_forward: list[Any] = []
         for layer in layers:
-            self._patch(layer, config)
+            manager = SwapLayerInputManager(module_tag=tag, config=config)
+            object.__setattr__(layer, "forward", _SwappedForward(layer, layer.__dict__.get("forward")))
+            object.__setattr__(layer, "swap_manager", manager)
+            self.managers.append(manager)
         object.__setattr__(model, _HANDLE_ATTR, self)
 
-    def _patch(self, layer: nn.Module, config: SwapConfig) -> None:
-        manager = SwapLayerInputManager(module_tag=self.module_tag, config=config)
-        original = layer.forward
-        self._saved_forward.append(layer.__dict__.get("forward", _MISSING))
-
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return _protocol.run_layer(layer, original, args, kwargs, _API)
-
-        object.__setattr__(layer, "swap_manager", manager)
-        object.__setattr__(layer, "forward", forward)
-        self.managers.append(manager)
+    @property
+    def module_tag(self) -> str:
+        """The tag the managers are registered under (a copy of the model has its own)."""
+        return self.managers[0].module_tag
 
     @property
     def active(self) -> bool:
@@ -88,14 +109,18 @@ class SwapLayerInputHandle:
         return self.model.__dict__.get(_HANDLE_ATTR) is self
 
     def remove(self) -> None:
-        """Restore every block's ``forward``, drop the managers and their pending groups."""
+        """Restore every block's ``forward`` and drop the managers.
+
+        Safe at any point, also between a forward and its backward: every input still off the
+        device is restored first (that backward then runs unswapped and exact).
+        """
         if not self.active:
             return
-        for layer, saved in zip(self.layers, self._saved_forward):
-            del layer.__dict__["forward"]
-            if saved is not _MISSING:
-                layer.__dict__["forward"] = saved
-            del layer.__dict__["swap_manager"]
+        for layer in self.layers:
+            patched = layer.__dict__.pop("forward", None)
+            if isinstance(patched, _SwappedForward) and patched.inner is not None:
+                layer.__dict__["forward"] = patched.inner
+            layer.__dict__.pop("swap_manager", None)
         for manager in self.managers:
             manager.unregister()
         del self.model.__dict__[_HANDLE_ATTR]
@@ -119,6 +144,7 @@ def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[
         )
     container = find_layer_blocks(model) if layers is None else layers
     found = list(container.values() if isinstance(container, nn.ModuleDict) else container)
+    _refuse_repeated_instances(found)
     for idx, layer in enumerate(found):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"swap_pass.{_API}: layers[{idx}] is a {type(layer).__name__}. "
@@ -131,6 +157,20 @@ def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[
     if not found:
         raise ValueError(f"swap_pass.{_API}: layers is empty. Pass at least one block.")
     return found
+
+
+def _refuse_repeated_instances(found: list[object]) -> None:
+    first: dict[int, int] = {}
+    for idx, layer in enumerate(found):
+        if id(layer) in first:
+            raise ValueError(
+                f"swap_pass.{_API}: layers[{idx}] is the same {type(layer).__name__} instance as "
+                f"layers[{first[id(layer)]}] (one block shared by several positions, e.g. "
+                "nn.ModuleList([block] * n)). Its input cannot be swapped per position; swap "
+                "distinct blocks only (pass layers=[...] without repeats), or leave this model "
+                "unswapped."
+            )
+        first[id(layer)] = idx
 
 
 def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | None = None,
@@ -148,7 +188,9 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
 
     Raises:
         RuntimeError: Swap is already enabled on ``model`` or on one of the blocks.
-        ValueError: No repeated blocks were found, or ``layers`` is empty.
+        ValueError: No repeated blocks were found, ``layers`` is empty, or one block instance
+            appears at several positions.
+        TypeError: ``config`` is not a :class:`SwapConfig`.
     """
     config = check_config(config, _API)
     found = _check_layers(model, layers)

@@ -129,7 +129,10 @@ def swap_layer_input_forward_wrapper(fn: Callable[..., Any]) -> Callable[..., An
 
 
 def _manager_of(layer: object) -> SwapLayerInputManager | None:
-    return getattr(layer, "swap_manager", None)
+    manager = getattr(layer, "swap_manager", None)
+    if manager is not None:
+        manager.ensure_registered()  # after swap_pass.reset()
+    return manager
 
 
 def _group_of(manager: SwapLayerInputManager, tensor: torch.Tensor | None) -> SwapTensors | None:
@@ -157,7 +160,8 @@ def _restore_for_backward(manager: SwapLayerInputManager, layer_input: torch.Ten
 def _start_swap_out(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> SwapTensors | None:
     if manager.is_last_layer or in_backward():
         return None
-    return manager.swap_out([hidden_states])
+    claimed = manager.claim([hidden_states])  # the layer has not run yet: its entry
+    return manager.swap_out(claimed, copy_span=True) if claimed else None
 
 
 def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: SwapTensors) -> None:

@@ -30,6 +30,7 @@ from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers
+from swap_pass.runtime.ownership import swappable_layer_inputs
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
@@ -54,7 +55,9 @@ def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTenso
     """Start the device-to-host copy of a layer's input; ``None`` when no backward will need it."""
     if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
         return None
-    group = SwapTensors([x], config=_config_from_key(config), name=name)
+    if not swappable_layer_inputs([x], name):  # see Note: [Ownership rule] in runtime/ownership.py
+        return None
+    group = SwapTensors([x], config=_config_from_key(config), name=name, copy_span=True)
     group.swap_to_host()
     return group
 

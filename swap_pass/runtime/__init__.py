@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swap_pass.runtime import live_groups as _live_groups
+from swap_pass.runtime import ownership as _ownership
 from swap_pass.runtime import stats as _stats
 from swap_pass.runtime.device import accelerator_type, device_streams, is_async_device
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
@@ -58,13 +59,16 @@ def swap_stats() -> SwapStats:
 def reset() -> None:
     """Drop all managers and pending swap state, free cached host buffers, zero the counters.
 
-    Data of groups still off the device is discarded: call it between runs, not mid-step.
+    Safe at any point, also between a forward and its backward: every storage still off the
+    device is restored first (a later backward then runs without swapping it), and layers whose
+    swap is still enabled register again at their next call.
     """
     for fn in list(_reset_hooks):
         fn()
     SwapLayerInputManager.reset_all()
-    discard_groups_off_device()
+    discard_groups_off_device(restore=True)
     _live_groups.clear()
     host_pool().clear()
     rearm_warnings()
+    _ownership.rearm_warnings()
     _stats.clear(keep_gauges=True)

@@ -17,7 +17,9 @@ one the next backward needs. Callers that hold their group pass it explicitly in
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
@@ -25,9 +27,44 @@ import torch
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
+from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
 
 __all__ = ["SwapLayerInputManager"]
+
+
+class _TagToken:
+    """Shared by the managers of one tag, so that a copy of them all gets one new tag.
+
+    ``copy.deepcopy`` and ``pickle`` copy a shared object once per copy operation (their memo),
+    so every manager of one copied model lands under the same fresh tag, distinct from the
+    original's (see Note: [Copies of an enabled model] in ``swap_pass/eager/enable.py``).
+    """
+
+    _counter: ClassVar[itertools.count] = itertools.count(1)
+    _live: ClassVar[weakref.WeakValueDictionary[str, _TagToken]] = weakref.WeakValueDictionary()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def of(cls, name: str) -> _TagToken:
+        token = cls._live.get(name)
+        if token is None:
+            token = cls._live[name] = cls(name)
+        return token
+
+    def __reduce__(self) -> tuple:
+        return (_fresh_tag, (self.name.split("+copy")[0],))
+
+
+def _fresh_tag(stem: str) -> _TagToken:
+    return _TagToken.of(f"{stem}+copy{next(_TagToken._counter)}")
+
+
+def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
+                     config: SwapConfig) -> SwapLayerInputManager:
+    return SwapLayerInputManager(token.name, custom_check_fn, prefetch, config)
 
 
 class SwapLayerInputManager:
@@ -48,6 +85,8 @@ class SwapLayerInputManager:
 
     manager_map: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
     _map_lock: ClassVar[threading.RLock] = threading.RLock()
+    # Managers that reset() dropped, per tag in layer order: re-registered on their next use.
+    _retired: ClassVar[dict[str, list[weakref.ref[SwapLayerInputManager]]]] = {}
 
     def __init__(
         self,
@@ -57,6 +96,7 @@ class SwapLayerInputManager:
         config: SwapConfig | None = None,
     ) -> None:
         self.module_tag = module_tag
+        self._token = _TagToken.of(module_tag)
         self.custom_check_fn = custom_check_fn
         self.config = (SwapConfig(prefetch=prefetch) if config is None
                        else check_config(config, "SwapLayerInputManager"))
@@ -72,6 +112,17 @@ class SwapLayerInputManager:
         return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, layer_idx={self.layer_idx}, "
                 f"num_layers={self.num_layers}, in_flight={len(self.batch_stack)})")
 
+    def __reduce__(self) -> tuple:
+        """Copy (deepcopy, pickle) as a fresh manager with nothing in flight, under a new tag."""
+        if self.batch_stack:
+            raise RuntimeError(
+                f"swap_pass.SwapLayerInputManager: cannot copy or pickle {self.name}: "
+                f"{len(self.batch_stack)} swapped input(s) of a forward are still in flight. "
+                "Copy the model after backward (or after swap_pass.reset())."
+            )
+        return (_rebuild_manager, (self._token, self.custom_check_fn, self.prefetch_enabled,
+                                   self.config))
+
     # --- position in the layer sequence -------------------------------------------------------
 
     @property
@@ -86,16 +137,40 @@ class SwapLayerInputManager:
 
     @property
     def previous(self) -> SwapLayerInputManager | None:
-        """The manager of the layer before this one, if any."""
-        return self.manager_map[self.module_tag][self.layer_idx - 1] if self.layer_idx > 0 else None
+        """The manager of the layer before this one, if any (None once unregistered)."""
+        return self._neighbour(-1)
 
     @property
     def next(self) -> SwapLayerInputManager | None:
-        """The manager of the layer after this one, if any."""
-        return None if self.is_last_layer else self.manager_map[self.module_tag][self.layer_idx + 1]
+        """The manager of the layer after this one, if any (None once unregistered)."""
+        return self._neighbour(1)
+
+    def _neighbour(self, step: int) -> SwapLayerInputManager | None:
+        layers = self.manager_map.get(self.module_tag, [])
+        idx = self.layer_idx + step
+        registered = self.layer_idx < len(layers) and layers[self.layer_idx] is self
+        return layers[idx] if registered and 0 <= idx < len(layers) else None
+
+    def ensure_registered(self) -> None:
+        """Called at each layer call: after :func:`swap_pass.reset`, register again.
+
+        The managers of the tag that reset() dropped come back together, in their old order,
+        so that the first step after a reset swaps exactly like the steps before it.
+        """
+        with self._map_lock:
+            layers = self.manager_map.get(self.module_tag, [])
+            if self.layer_idx < len(layers) and layers[self.layer_idx] is self:
+                return
+            retired = [ref() for ref in self._retired.pop(self.module_tag, [])]
+            peers = [m for m in retired if m is not None]
+            for manager in peers if self in peers else [*peers, self]:
+                layers = self.manager_map.setdefault(self.module_tag, [])
+                if manager not in layers:
+                    manager.layer_idx = len(layers)
+                    layers.append(manager)
 
     def unregister(self) -> None:
-        """Drop this manager from ``manager_map`` (discarding its groups) and renumber the rest."""
+        """Drop this manager from ``manager_map`` (restoring its groups) and renumber the rest."""
         self.clear()
         with self._map_lock:
             layers = self.manager_map.get(self.module_tag, [])
@@ -108,15 +183,31 @@ class SwapLayerInputManager:
 
     # --- forward side -------------------------------------------------------------------------
 
-    def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None) -> SwapTensors:
+    @property
+    def name(self) -> str:
+        """The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``."""
+        return f"{self.module_tag}.layers[{self.layer_idx}]"
+
+    def claim(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The layer inputs that may leave the device, decided at the layer's entry.
+
+        See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``: user data and storages
+        another live tensor shares stay (counted in :func:`swap_pass.swap_stats`).
+        """
+        valid = [t for t in tensors if is_valid_for_swap(t, self.custom_check_fn)]
+        return swappable_layer_inputs(valid, self.name)
+
+    def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
+                 copy_span: bool = False) -> SwapTensors:
         """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
 
         The first layer's first group of each size runs :meth:`preflight_for` first.
+        ``copy_span`` is for tensors that :meth:`claim` returned (see :class:`SwapTensors`).
         """
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
-                            name=name or f"{self.module_tag}.layers[{self.layer_idx}]")
+                            name=name or self.name, copy_span=copy_span)
         if self.layer_idx == 0:
-            self.preflight_for(group.nbytes)
+            self.preflight_for(group.host_nbytes)
         self.batch_stack.append(group)
         group.swap_to_host()
         return group
@@ -170,9 +261,13 @@ class SwapLayerInputManager:
     # --- cleanup ------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Discard every group in flight (their host buffers go back to the pool)."""
+        """Bring every group in flight back to the device and forget it (buffers to the pool).
+
+        Its tensors may still be read (a backward that runs later, the caller's own reference):
+        their data is restored, never dropped.
+        """
         while self.batch_stack:
-            self.batch_stack.pop(0).discard()
+            self.batch_stack.pop(0).restore()
 
     def discard(self, group: SwapTensors) -> None:
         """Discard one group whose tensors will never be read again (its graph was freed)."""
@@ -195,9 +290,14 @@ class SwapLayerInputManager:
 
     @classmethod
     def reset_all(cls) -> None:
-        """Discard every group of every manager and empty ``manager_map``."""
+        """Restore every group of every manager and empty ``manager_map``.
+
+        A manager whose layer is still alive registers again at its next call
+        (:meth:`ensure_registered`), with its peers in their old order.
+        """
         with cls._map_lock:
-            for layers in list(cls.manager_map.values()):
+            for tag, layers in list(cls.manager_map.items()):
                 for manager in layers:
                     manager.clear()
+                cls._retired[tag] = [weakref.ref(m) for m in layers]
             cls.manager_map.clear()

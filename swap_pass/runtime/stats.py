@@ -29,6 +29,11 @@ class SwapStats:
         peak_device_bytes_released: Highest ``device_bytes_released`` since the last reset: the
             saving, in bytes, the same measure for every way in.
         kept_on_device: Swap-outs skipped because host memory was exhausted.
+        skipped_shared_bytes: Bytes of layer-input storages kept on the device because another
+            live tensor shares them (a sibling view, a buffer); see Note: [Ownership rule] in
+            ``swap_pass/runtime/ownership.py``.
+        skipped_user_bytes: Bytes of layer-input storages kept on the device because they are
+            user data: inputs, parameters, buffers, detached tensors and their views.
     """
 
     swap_outs: int = 0
@@ -42,6 +47,8 @@ class SwapStats:
     device_bytes_released: int = 0
     peak_device_bytes_released: int = 0
     kept_on_device: int = 0
+    skipped_shared_bytes: int = 0
+    skipped_user_bytes: int = 0
 
 
 _lock = threading.Lock()

@@ -42,6 +42,7 @@ from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.freed_guard import guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
+from swap_pass.runtime.ownership import byte_span
 
 __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap"]
 
@@ -99,6 +100,16 @@ class _StorageEntry:
     versions: list[int]
     host: torch.Tensor | None = None
     host_event: object = None  # the last copy of a reused host buffer, to order ours after
+    span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
+
+    def device_bytes(self) -> torch.Tensor:
+        """The bytes of the storage that go to the host and come back."""
+        view = _bytes_view(self.storage)
+        return view if self.span is None else view[self.span[0]:self.span[1]]
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.nbytes if self.span is None else self.span[1] - self.span[0]
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -106,7 +117,8 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int) -> list[_StorageEntry]:
+def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
+                      copy_span: bool = False) -> list[_StorageEntry]:
     entries: dict[int, _StorageEntry] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -117,6 +129,10 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int) -> list[_
             entries[key] = _StorageEntry(storage, storage.nbytes(), [], [])
         entries[key].tensors.append(t)
         entries[key].versions.append(t._version)
+    if copy_span:
+        for e in entries.values():
+            span = byte_span(e.tensors)
+            e.span = None if span == (0, e.nbytes) else span
     return list(entries.values())
 
 
@@ -129,6 +145,10 @@ class SwapTensors:
         custom_check_fn: Extra predicate passed to :func:`is_valid_for_swap`. Default: ``None``.
         config: Runtime knobs. Default: ``SwapConfig()``.
         name: Shown in errors, e.g. the layer's name. Default: ``None``.
+        copy_span: Copy only the bytes of each storage that the tensors span, and restore just
+            those: for storages nobody else holds (see Note: [Ownership rule] in
+            ``swap_pass/runtime/ownership.py``); the rest of the storage reads as garbage after
+            the restore. Default: ``False`` (whole storages).
 
     Attributes:
         stat: ``"device"``, ``"d2h"``, ``"host"`` or ``"h2d"``.
@@ -144,11 +164,12 @@ class SwapTensors:
         custom_check_fn: Callable[[torch.Tensor], bool] | None = None,
         config: SwapConfig | None = None,
         name: str | None = None,
+        copy_span: bool = False,
     ) -> None:
         self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
         self.name = name
         self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
-        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes)
+        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
         self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self.stat = SwapState.DEVICE
@@ -163,6 +184,11 @@ class SwapTensors:
     def nbytes(self) -> int:
         """Bytes of all distinct storages in the group."""
         return sum(e.nbytes for e in self._entries)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes copied to the host: whole storages, or their spans under ``copy_span``."""
+        return sum(e.host_nbytes for e in self._entries)
 
     @property
     def is_empty(self) -> bool:
@@ -187,9 +213,9 @@ class SwapTensors:
             for e in self._entries:
                 ds.wait(stream, e.host_event)
                 e.host_event = None
-                ds.copy(stream, e.host, _bytes_view(e.storage))
+                ds.copy(stream, e.host, e.device_bytes())
             self._event = ds.record_event(stream)
-            stats.record(swap_outs=1, swapped_out_bytes=self.nbytes)
+            stats.record(swap_outs=1, swapped_out_bytes=self.host_nbytes)
         self.stat = SwapState.D2H
 
     def wait_d2h(self) -> None:
@@ -218,9 +244,9 @@ class SwapTensors:
             stream = stream or ds.h2d_stream()
             ds.wait(stream, ready)
             for e in self._entries:
-                ds.copy(stream, _bytes_view(e.storage), e.host)
+                ds.copy(stream, e.device_bytes(), e.host)
             self._event = ds.record_event(stream)
-            stats.record(swap_ins=1, swapped_in_bytes=self.nbytes)
+            stats.record(swap_ins=1, swapped_in_bytes=self.host_nbytes)
         self.stat = SwapState.H2D
 
     def wait_h2d(self) -> None:
@@ -329,7 +355,7 @@ class SwapTensors:
         _holding_host_buffers.add(self)
         try:
             for e in self._entries:
-                e.host = pool.acquire(e.nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
+                e.host = pool.acquire(e.host_nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
                 e.host_event = pool.take_event(e.host)
         except HostMemoryError:
             self._release_host_buffers()
@@ -390,8 +416,10 @@ class SwapTensors:
                     )
 
 
-def discard_groups_off_device() -> int:
-    """Discard every group that still holds host buffers; return how many there were.
+def discard_groups_off_device(*, restore: bool = False) -> int:
+    """Discard (or with ``restore``, restore) every group that still holds host buffers.
+
+    Returns how many there were.
 
     Managers reach their own groups, but a group can outlive its step elsewhere: held by a
     reference cycle (an exception's traceback, say) until the cyclic collector runs, or created
@@ -400,7 +428,7 @@ def discard_groups_off_device() -> int:
     """
     groups = list(_holding_host_buffers)
     for group in groups:
-        group.discard()
+        group.restore() if restore else group.discard()
     return len(groups)
 
 

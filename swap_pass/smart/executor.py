@@ -37,6 +37,7 @@ import torch
 
 from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import is_async_device
+from swap_pass.runtime.ownership import outside_holders
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import (
@@ -52,17 +53,6 @@ from swap_pass.smart.profiler import (
 __all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
            "measure_copy_bandwidth"]
 
-_use_count = torch._C._storage_Use_Count
-
-
-def _storage_use_count(t: torch.Tensor) -> int:
-    return _use_count(t.untyped_storage()._cdata)
-
-
-# What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
-# made by untyped_storage() counts), 1 on torch 2.6. Measured once, so "nobody but our aliases"
-# holds on every release; taking 2.13's figure on 2.6 freed storages still in use (segfault).
-_ONE_HOLDER = _storage_use_count(torch.empty(1))
 
 
 class ExecMode(str, enum.Enum):
@@ -194,7 +184,7 @@ class _Slot:
 
     def releasable(self) -> bool:
         """True when nothing but our aliases holds the storage (see Note: [When a saved tensor may leave])."""
-        return _storage_use_count(self.aliases[0]) - (_ONE_HOLDER - 1) == len(self.aliases)
+        return outside_holders(self.aliases) == 0  # Note: [Ownership rule] in runtime/ownership.py
 
 
 class _Handle:

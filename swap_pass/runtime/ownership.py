@@ -1,0 +1,138 @@
+"""Who else holds a storage: the one rule that decides whether a swap may free it.
+
+Note: [Ownership rule]
+    Swapping frees whole storages in place (``untyped_storage().resize_(0)``). That is right only
+    when nothing but the swap can read the storage until it is restored. A storage therefore
+    leaves the device only if every holder of it is accounted for:
+
+    * the tensors handed to the swap (a layer's input, SmartSwap's aliases of saved tensors);
+    * the base of each of them when it is a view (the view keeps its base alive; nobody reads the
+      base through it);
+    * for a layer input, the views autograd saved while the layer ran (they appear after the
+      decision, taken at the layer's entry, and are read only in the layer's backward, after
+      the restore).
+
+    Holders are counted with the storage's use count, which counts every tensor (``TensorImpl``)
+    over the storage: a sibling view (``x, y = data.chunk(2)``), the tensor a view was taken
+    from when the caller still holds it, a module buffer. A storage with any other holder is
+    never freed: the swap skips it, counts its bytes (``SwapStats.skipped_shared_bytes``) and
+    warns once per layer.
+
+    User data is never freed either, even when nothing else holds the storage: the use count
+    cannot see a caller's Python reference to the very tensor the layer received. A tensor is
+    user data when the root of its view chain has no ``grad_fn``: user inputs, parameters,
+    buffers, tensors made under ``no_grad`` or detached, a pipeline stage's received activations,
+    and views of all of these (counted in ``SwapStats.skipped_user_bytes``, no warning). What a
+    model computes from them with autograd on (the embedding output, each layer's output) is
+    the model's own and may leave.
+
+    When the tensors span only part of a storage that nobody else holds (a layer input that is
+    a slice of a larger activation), only the bytes they span are copied to the host; the
+    storage is freed whole and the span is copied back into it on restore.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from swap_pass.runtime import stats
+
+__all__ = ["byte_span", "is_user_data", "outside_holders", "swappable_layer_inputs"]
+
+_use_count = torch._C._storage_Use_Count
+# What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
+# made by untyped_storage() counts), 1 on torch 2.6. Measured once, so that "nobody but these
+# tensors" holds on every release.
+def _measure_one_holder() -> int:
+    t = torch.empty(1)  # held while its storage is counted
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_ONE_HOLDER = _measure_one_holder()
+
+_warned_lock = threading.Lock()
+_warned_layers: set[str] = set()
+
+
+def _holders(t: torch.Tensor) -> int:
+    """Tensors (and Python storage objects) now holding ``t``'s storage, ``t`` included."""
+    return _use_count(t.untyped_storage()._cdata) - (_ONE_HOLDER - 1)
+
+
+def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
+    """Holders of the tensors' storage other than ``tensors`` and their view bases.
+
+    Args:
+        tensors: Tensors over one storage (a layer input, or aliases of saved tensors).
+
+    Returns:
+        0 when the storage is held by ``tensors`` (and their bases) alone; see Note: [Ownership rule].
+    """
+    known = {id(t) for t in tensors}
+    known |= {id(t._base) for t in tensors if t._base is not None}
+    return _holders(tensors[0]) - len(known)
+
+
+def is_user_data(t: torch.Tensor) -> bool:
+    """True for leaves (inputs, parameters, buffers, detached tensors) and views of them."""
+    root = t._base if t._base is not None else t
+    return root.grad_fn is None
+
+
+def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes of their (one) storage that ``tensors`` can read."""
+    lo, hi = None, 0
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        size = t.element_size()
+        last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        start, end = t.storage_offset() * size, (last + 1) * size
+        lo, hi = (start if lo is None else min(lo, start)), max(hi, end)
+    return (0, 0) if lo is None else (lo, hi)
+
+
+def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str) -> list[torch.Tensor]:
+    """The tensors among a layer's inputs whose storage may leave the device.
+
+    Called at the layer's entry, before the layer runs. User data is left out (counted in
+    ``skipped_user_bytes``); a storage with a holder outside the layer input and its base is left
+    out, counted in ``skipped_shared_bytes`` and warned about once per ``layer``.
+    """
+    keep = []
+    for t in tensors:
+        nbytes = t.untyped_storage().nbytes()
+        if is_user_data(t):
+            stats.record(skipped_user_bytes=nbytes)
+        elif (extra := outside_holders([t])) > 0:
+            stats.record(skipped_shared_bytes=nbytes)
+            _warn_shared(layer, t, extra)
+        else:
+            keep.append(t)
+    return keep
+
+
+def _warn_shared(layer: str, t: torch.Tensor, extra: int) -> None:
+    with _warned_lock:
+        if layer in _warned_layers:
+            return
+        _warned_layers.add(layer)
+    warnings.warn(
+        f"swap_pass: the input of {layer} (shape {tuple(t.shape)}, {t.dtype}) shares its storage "
+        f"({t.untyped_storage().nbytes()} bytes) with {extra} other live tensor(s) (a sibling "
+        "view, the tensor it was sliced from, a buffer). It stays on the device "
+        "(swap_stats().skipped_shared_bytes counts it). Pass the layer a tensor of its own "
+        "(e.g. a .clone() of the slice) to have it swapped. (Shown once per layer.)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def rearm_warnings() -> None:
+    """Let each layer's shared-storage warning show again (called by :func:`swap_pass.reset`)."""
+    with _warned_lock:
+        _warned_layers.clear()
