@@ -18,6 +18,28 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 NUM_LAYERS, MICROBATCHES, BATCH, SEQ = 8, 4, 8, 8
+# "raw": the first stage has no embedding; the micro-batch views of the user's hidden-states
+# tensor go straight into the first swapped layer.
+RUNS = ["1f1b-plain", "1f1b-recompute", "gpipe-plain", "interleaved-plain", "interleaved-recompute",
+        "1f1b-raw-plain", "1f1b-raw-recompute", "gpipe-raw-plain", "gpipe-raw-recompute",
+        "interleaved-raw-plain", "interleaved-raw-recompute"]
+
+
+def _parse(run: str) -> tuple[str, bool, bool]:
+    """``"1f1b-raw-recompute"`` -> ``("1f1b", True, True)``: schedule, recompute, raw."""
+    parts = run.split("-")
+    return parts[0], parts[-1] == "recompute", "raw" in parts
+
+
+def expected_swaps_per_step(run: str, rank: int) -> int:
+    """Layer inputs swapped per step: user data (the raw batch views, a stage's received
+    activations) stays on the device, and so does the input of each rank's last layer."""
+    schedule, _, raw = _parse(run)
+    stages = [rank + 2 * k for k in range(2 if schedule == "interleaved" else 1)]
+    per_stage = NUM_LAYERS // (2 * len(stages))
+    swapped = len(stages) * per_stage - 1  # one tag per rank: its last layer keeps its input
+    swapped -= sum(1 for s in stages if s > 0 or raw)  # first layer fed user data
+    return MICROBATCHES * swapped
 
 
 def _cfg():
@@ -27,15 +49,19 @@ def _cfg():
 
 
 class Stage(nn.Module):
-    """Layers ``[lo, hi)`` of the model; the first stage embeds, the last one projects."""
+    """Layers ``[lo, hi)`` of the model; the first stage embeds (unless ``raw``), the last projects.
 
-    def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool) -> None:
+    With ``raw`` the schedule's input is already hidden states: the micro-batches, views of the
+    one batch tensor the user passed, go straight into the first layer.
+    """
+
+    def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool, raw: bool = False) -> None:
         super().__init__()
         from swap_pass.models import LlamaStyleModel
         torch.manual_seed(0)
         full = LlamaStyleModel(cfg)  # same weights on every rank and run
         self.first, self.last, self.recompute = lo == 0, hi == cfg.num_layers, recompute
-        self.embed = full.embed if self.first else None
+        self.embed = full.embed if self.first and not raw else None
         self.layers = nn.ModuleList()
         for idx in range(lo, hi):
             layer = layer_cls(cfg)
@@ -46,7 +72,7 @@ class Stage(nn.Module):
         self.register_buffer("sin", full.sin_table, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.first else x
+        h = self.embed(x) if self.embed is not None else x
         for layer in self.layers:
             if self.recompute:
                 h = checkpoint(layer, h, self.cos, self.sin, use_reentrant=False)
@@ -59,13 +85,13 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _build(schedule: str, rank: int, layer_cls, recompute: bool):
+def _build(schedule: str, rank: int, layer_cls, recompute: bool, raw: bool = False):
     from torch.distributed import pipelining as pp
     cfg = _cfg()
     n_stages = 4 if schedule == "interleaved" else 2
     per = NUM_LAYERS // n_stages
     ids = [rank + 2 * k for k in range(n_stages // 2)]  # interleaved: rank 0 holds 0 and 2
-    mods = [Stage(cfg, i * per, (i + 1) * per, layer_cls, recompute) for i in ids]
+    mods = [Stage(cfg, i * per, (i + 1) * per, layer_cls, recompute, raw) for i in ids]
     stages = [pp.PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(mods, ids)]
     if schedule == "interleaved":
         sched = pp.ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
@@ -75,18 +101,28 @@ def _build(schedule: str, rank: int, layer_cls, recompute: bool):
     return mods, sched
 
 
-def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2):
+def _inputs(raw: bool, ids: torch.Tensor, step: int) -> torch.Tensor:
+    if not raw:
+        return ids
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, SEQ, _cfg().hidden_size, generator=gen)
+
+
+def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2, raw: bool = False):
     from swap_pass.models import make_batch
     import swap_pass
-    mods, sched = _build(schedule, rank, layer_cls, recompute)
-    record = {"losses": [], "clean": []}
+    mods, sched = _build(schedule, rank, layer_cls, recompute, raw)
+    record = {"losses": [], "clean": [], "inputs_intact": []}
     for step in range(steps):
         for m in mods:
             m.zero_grad(set_to_none=True)
         ids, labels = make_batch(_cfg(), BATCH, SEQ, seed=step)
         losses: list[torch.Tensor] = []
         if rank == 0:
-            sched.step(ids, target=labels, losses=losses)
+            inputs = _inputs(raw, ids, step)
+            before = inputs.clone()
+            sched.step(inputs, target=labels, losses=losses)
+            record["inputs_intact"].append(torch.equal(inputs, before))
         else:
             sched.step(target=labels, losses=losses)
         record["losses"] += [l.detach() for l in losses]
@@ -109,6 +145,7 @@ def _compare(ref: dict, got: dict) -> dict:
         "swap_outs": got["swap_outs"], "ref_swap_outs": ref["swap_outs"],
         "clean": all(got["clean"]), "n_losses": len(got["losses"]),
         "outs_per_step": got["outs_per_step"],
+        "inputs_intact": all(got["inputs_intact"]) and all(ref["inputs_intact"]),
     }
 
 
@@ -121,13 +158,13 @@ def run(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {}
     try:
-        for schedule, recompute in [("1f1b", False), ("1f1b", True), ("gpipe", False),
-                                    ("interleaved", False), ("interleaved", True)]:
+        for name in RUNS:
+            schedule, recompute, raw = _parse(name)
             swap_pass.reset()
-            ref = _step(schedule, rank, LlamaDecoderLayer, recompute)
+            ref = _step(schedule, rank, LlamaDecoderLayer, recompute, raw=raw)
             swap_pass.reset()
-            got = _step(schedule, rank, SwapLlamaLayer, recompute)
-            results[f"{schedule}-{'recompute' if recompute else 'plain'}"] = _compare(ref, got)
+            got = _step(schedule, rank, SwapLlamaLayer, recompute, raw=raw)
+            results[name] = _compare(ref, got)
     finally:
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
