@@ -72,6 +72,7 @@ import torch
 
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs, in_backward
 from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.ownership import may_free
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
@@ -195,9 +196,9 @@ def free_previous(manager: SwapLayerInputManager, abandon: bool = True) -> None:
     """Free earlier layers' inputs whose D2H is running; abandon the unguarded ones (if
     ``abandon``: a later call may still guard them otherwise)."""
     for prev, group in _copying_earlier(manager):
-        if is_guarded(group):
+        if is_guarded(group) and may_free(group.tensors, prev.name):
             group.wait_d2h()
-        elif abandon:
+        elif is_guarded(group) or abandon:
             prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
 
 

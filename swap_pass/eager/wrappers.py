@@ -34,6 +34,7 @@ import torch
 from swap_pass.eager import _protocol
 from swap_pass.eager._layer_io import find_hidden_states, in_backward
 from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.ownership import may_free
 from swap_pass.runtime.swap_tensors import SwapTensors
 
 __all__ = [
@@ -160,7 +161,8 @@ def _restore_for_backward(manager: SwapLayerInputManager, layer_input: torch.Ten
 def _start_swap_out(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> SwapTensors | None:
     if manager.is_last_layer or in_backward():
         return None
-    claimed = manager.claim([hidden_states])  # the layer has not run yet: its entry
+    # The layer has not run yet: its entry. FBOverlap detaches every layer input itself.
+    claimed = manager.claim([hidden_states], leaves_owned=True)
     return manager.swap_out(claimed, copy_span=True) if claimed else None
 
 
@@ -178,6 +180,9 @@ def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: Swap
 
 def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None, result: Any) -> None:
     if group is not None:
+        if not may_free(group.tensors, manager.name):
+            manager.wait_swap_in(group)  # another holder is left: keep it on the device
+            return
         group.wait_d2h()
         _tie_to_layer_graph(result, manager, group)
 

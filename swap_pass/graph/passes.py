@@ -30,7 +30,7 @@ from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers
-from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.ownership import may_free, swappable_layer_inputs
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
@@ -67,7 +67,10 @@ class _ReleaseLayerInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_next, group, earlier):
-        group.wait_d2h()
+        if may_free(group.tensors, group.name):
+            group.wait_d2h()
+        else:  # another holder is left (Note: [Ownership rule]): keep it on the device
+            group.restore()
         ctx.group, ctx.earlier = group, earlier
         return x_next.view_as(x_next)
 

@@ -188,14 +188,15 @@ class SwapLayerInputManager:
         """The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``."""
         return f"{self.module_tag}.layers[{self.layer_idx}]"
 
-    def claim(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    def claim(self, tensors: Iterable[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
         """The layer inputs that may leave the device, decided at the layer's entry.
 
         See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``: user data and storages
         another live tensor shares stay (counted in :func:`swap_pass.swap_stats`).
+        ``leaves_owned``: see :func:`swap_pass.runtime.ownership.swappable_layer_inputs`.
         """
         valid = [t for t in tensors if is_valid_for_swap(t, self.custom_check_fn)]
-        return swappable_layer_inputs(valid, self.name)
+        return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned)
 
     def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
                  copy_span: bool = False) -> SwapTensors:

@@ -8,15 +8,17 @@ Note: [Ownership rule]
     * the tensors handed to the swap (a layer's input, SmartSwap's aliases of saved tensors);
     * the base of each of them when it is a view (the view keeps its base alive; nobody reads the
       base through it);
+    * the output the op that made a layer input saved for its own backward (``tanh``, ``relu``);
     * for a layer input, the views autograd saved while the layer ran (they appear after the
       decision, taken at the layer's entry, and are read only in the layer's backward, after
       the restore).
 
     Holders are counted with the storage's use count, which counts every tensor (``TensorImpl``)
     over the storage: a sibling view (``x, y = data.chunk(2)``), the tensor a view was taken
-    from when the caller still holds it, a module buffer. A storage with any other holder is
-    never freed: the swap skips it, counts its bytes (``SwapStats.skipped_shared_bytes``) and
-    warns once per layer.
+    from when the caller still holds it, a module buffer. They are counted at the layer's entry,
+    and, for an input that had an outside holder then, again when it is to be freed (after the
+    next layer ran): a storage with any other holder left is never freed: the swap keeps it on
+    the device, counts its bytes (``SwapStats.skipped_shared_bytes``) and warns once per layer.
 
     User data is never freed either, even when nothing else holds the storage: the use count
     cannot see a caller's Python reference to the very tensor the layer received. A tensor is
@@ -35,13 +37,14 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from swap_pass.runtime import stats
 
-__all__ = ["byte_span", "is_user_data", "outside_holders", "swappable_layer_inputs"]
+__all__ = ["byte_span", "is_user_data", "may_free", "outside_holders", "swappable_layer_inputs"]
 
 _use_count = torch._C._storage_Use_Count
 # What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
@@ -72,9 +75,31 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
     Returns:
         0 when the storage is held by ``tensors`` (and their bases) alone; see Note: [Ownership rule].
     """
-    known = {id(t) for t in tensors}
-    known |= {id(t._base) for t in tensors if t._base is not None}
-    return _holders(tensors[0]) - len(known)
+    known = {id(t): t for t in tensors}
+    known.update((id(t._base), t._base) for t in tensors if t._base is not None)
+    saved = sum(_saved_as_output(t) for t in known.values())
+    return _holders(tensors[0]) - len(known) - saved
+
+
+def _saved_as_output(t: torch.Tensor) -> int:
+    """Tensors autograd keeps over ``t``'s storage as the saved output of the op that made ``t``.
+
+    An op whose backward reads its result (``tanh``, ``relu``, ``sigmoid``, ``exp``) saves it as
+    a separate tensor over the same storage: an autograd saved reference, read only in that op's
+    backward, after the layer that takes ``t`` restored it. Saved outputs packed by
+    saved-tensor hooks (checkpointing) hold no tensor and are not unpacked here.
+    """
+    fn = t.grad_fn
+    if fn is None:
+        return 0
+    key = t.untyped_storage().data_ptr()
+    count = 0
+    for name in dir(fn):
+        raw = getattr(fn, name) if name.startswith("_raw_saved_result") else None
+        if isinstance(raw, torch._C._autograd.SavedTensor) and raw.unpack_hook is None:
+            data = raw.data
+            count += data is not None and data.untyped_storage().data_ptr() == key
+    return count
 
 
 def is_user_data(t: torch.Tensor) -> bool:
@@ -96,24 +121,58 @@ def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
     return (0, 0) if lo is None else (lo, hi)
 
 
-def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str) -> list[torch.Tensor]:
+def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str, *,
+                           leaves_owned: bool = False) -> list[torch.Tensor]:
     """The tensors among a layer's inputs whose storage may leave the device.
 
     Called at the layer's entry, before the layer runs. User data is left out (counted in
     ``skipped_user_bytes``); a storage with a holder outside the layer input and its base is left
     out, counted in ``skipped_shared_bytes`` and warned about once per ``layer``.
+    ``leaves_owned``: the caller made its leaves itself and hands them over (FBOverlap runs every
+    layer on a detached copy of the previous output); only the holder count applies then.
     """
     keep = []
     for t in tensors:
-        nbytes = t.untyped_storage().nbytes()
-        if is_user_data(t):
-            stats.record(skipped_user_bytes=nbytes)
-        elif (extra := outside_holders([t])) > 0:
-            stats.record(skipped_shared_bytes=nbytes)
-            _warn_shared(layer, t, extra)
-        else:
-            keep.append(t)
+        if not leaves_owned and is_user_data(t):
+            stats.record(skipped_user_bytes=t.untyped_storage().nbytes())
+            continue
+        if outside_holders([t]) > 0:
+            _mark_shared(t)  # checked again when it is to be freed: may_free()
+        keep.append(t)
     return keep
+
+
+# Layer inputs that had another holder at their layer's entry (often the caller's own reference
+# to a view the layer received, e.g. through a module hook; it is gone by the time the input is
+# freed). They are freed only if no outside holder is left then.
+# (By id with a weak reference: a WeakSet would compare tensors with ``==``.)
+_shared_at_entry: dict[int, weakref.ref] = {}
+
+
+def _mark_shared(t: torch.Tensor) -> None:
+    key = id(t)
+    _shared_at_entry[key] = weakref.ref(t, lambda _, key=key: _shared_at_entry.pop(key, None))
+
+
+def _was_shared(t: torch.Tensor) -> bool:
+    ref = _shared_at_entry.get(id(t))
+    return ref is not None and ref() is t
+
+
+def may_free(tensors: Sequence[torch.Tensor], layer: str) -> bool:
+    """At free time: whether a group's layer inputs may leave (Note: [Ownership rule]).
+
+    An input without an outside holder at its layer's entry may (holders that appeared since are
+    the views autograd saved in the layer). One that had such a holder may only if none is left
+    now; otherwise it stays on the device, counted in ``skipped_shared_bytes``, with one warning
+    per ``layer``.
+    """
+    for t in tensors:
+        if _was_shared(t) and (extra := outside_holders([t])) > 0:
+            stats.record(skipped_shared_bytes=t.untyped_storage().nbytes())
+            _warn_shared(layer, t, extra)
+            return False
+    return True
 
 
 def _warn_shared(layer: str, t: torch.Tensor, extra: int) -> None:

@@ -49,8 +49,11 @@ def test_fboverlap_frees_layer_inputs_right_after_forward():
         seen["pending"] = pending_entries("fb.mem")
 
     run_schedule(model, _batches(2), swap=True, on_forward=on_forward)
-    assert seen["freed"] == [True] * (CFG6.num_layers - 1) + [False]
-    assert seen["pending"] == CFG6.num_layers - 1
+    # Layer 0's input is a detached alias of the model's own embedding output, which the model
+    # keeps (self.emb): that storage has another holder and is never freed (Note: [Ownership
+    # rule]); it is swapped out and kept on the device, so its group is no longer pending.
+    assert seen["freed"] == [False] + [True] * (CFG6.num_layers - 2) + [False]
+    assert seen["pending"] == CFG6.num_layers - 2
     assert_clean()
 
 

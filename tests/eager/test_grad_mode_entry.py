@@ -86,11 +86,12 @@ def _step_watching(model, layers, data):
 
 
 # Which layer inputs are freed after forward, by layout (4 layers; the last is never swapped).
-# uniform2 under the generic enable: the region's first input is swapped out but no later call
-# can guard it, so it is kept (swap_pass.integrations.megatron enables region starts only).
+# uniform2 under the generic enable: a region's first input is guarded by the next region's
+# first call (whose input is the region's checkpoint output) and freed; the last region's, which
+# no later call can guard, is kept (swap_pass.integrations.megatron enables region starts only).
 FREED = {
     "uniform1": [True, True, True, False],
-    "uniform2": [False, False, False, False],
+    "uniform2": [True, False, False, False],
     "block2": [True, True, True, False],
 }
 

@@ -105,15 +105,22 @@ def test_recompute_check_catches_a_late_wait(monkeypatch):
 def test_prefetch_starts_previous_layer_before_its_backward():
     _, model = _pair("non_reentrant")
     states: list[list[str]] = []
+    def watch(grad):
+        states.append([str(grp.stat) for l in model.layers for grp in l.swap_manager.batch_stack])
+
+    # A gradient hook on each layer's output, registered after the layer's own guard, runs
+    # right after it. (Not a full backward pre-hook: it would wrap each layer input in a view
+    # the checkpoint keeps, a second holder, and the ownership rule would keep them on device.)
+    def on_forward(module, args, out):
+        if not in_backward():
+            out.register_hook(watch)
+
     for layer in model.layers:
-        layer.register_full_backward_pre_hook(
-            lambda m, g: states.append([str(grp.stat) for l in model.layers
-                                        for grp in l.swap_manager.batch_stack]))
+        layer.register_forward_hook(on_forward)
     train_step(model, batch())
-    # Module backward pre-hooks run just before each layer's output guard. When layer 2's
-    # backward begins, layer 3's guard has already made layer 2's input readable (out of the
-    # FIFO) and started layer 1's H2D (prefetch, two layers ahead), and so on.
-    assert states == [["host", "host", "host"], ["host", "h2d"], ["h2d"], []]
+    # Right after layer 3's guard, layer 2's input is readable (out of the FIFO) and layer 1's
+    # H2D has started (prefetch, two layers ahead), and so on down to layer 0.
+    assert states == [["host", "h2d"], ["h2d"], [], []]
 
 
 def test_last_layer_never_swapped_and_first_layer_is():
