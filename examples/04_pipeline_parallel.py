@@ -66,7 +66,8 @@ def train_step(stage_module: nn.Module, rank: int, world: int) -> list[torch.Ten
 
 
 def swapped_step(stage_module: nn.Module, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
-    """The same step with every layer input swapped to host memory."""
+    """The same step with the layer inputs swapped to host memory (all but the last; a stage's
+    received activations are the pipeline's own and stay on the device)."""
     handle = swap_pass.enable_swap_layer_input(stage_module)
     try:
         grads = train_step(stage_module, rank, world)
