@@ -21,12 +21,15 @@ Note: [Ownership rule]
     the device, counts its bytes (``SwapStats.skipped_shared_bytes``) and warns once per layer.
 
     User data is never freed either, even when nothing else holds the storage: the use count
-    cannot see a caller's Python reference to the very tensor the layer received. A tensor is
-    user data when the root of its view chain has no ``grad_fn``: user inputs, parameters,
-    buffers, tensors made under ``no_grad`` or detached, a pipeline stage's received activations,
-    and views of all of these (counted in ``SwapStats.skipped_user_bytes``, no warning). What a
-    model computes from them with autograd on (the embedding output, each layer's output) is
-    the model's own and may leave.
+    cannot see a caller's Python reference to the very tensor the layer received. User data is
+    a leaf that needs no grad (an input batch, a buffer, a tensor made under ``no_grad`` or
+    detached) and any view of a leaf (``data[:, :16]``, a micro-batch split of the batch, a view
+    of a parameter or buffer); counted in ``SwapStats.skipped_user_bytes``, no warning. What a
+    model computes with autograd on (the embedding output, each layer's output) is the model's
+    own and may leave, and so may a leaf that requires grad and is not a view: a pipeline
+    stage's received activations (the schedule keeps them for their ``.grad`` only), or an
+    input whose gradient the caller asked for, which reads as swapped out (``SwapDataError``)
+    until backward and comes back intact after it, or when the graph is dropped.
 
     When the tensors span only part of a storage that nobody else holds (a layer input that is
     a slice of a larger activation), only the bytes they span are copied to the host; the
@@ -103,9 +106,14 @@ def _saved_as_output(t: torch.Tensor) -> int:
 
 
 def is_user_data(t: torch.Tensor) -> bool:
-    """True for leaves (inputs, parameters, buffers, detached tensors) and views of them."""
-    root = t._base if t._base is not None else t
-    return root.grad_fn is None
+    """True for views of leaves (inputs, parameters, buffers) and leaves that need no grad.
+
+    A leaf that requires grad and is not a view (a pipeline stage's received activations, an
+    input whose gradient the caller asked for) is handed to the model like an activation.
+    """
+    if t._base is not None:
+        return t._base.grad_fn is None
+    return t.grad_fn is None and not t.requires_grad
 
 
 def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:

@@ -32,13 +32,13 @@ def _parse(run: str) -> tuple[str, bool, bool]:
 
 
 def expected_swaps_per_step(run: str, rank: int) -> int:
-    """Layer inputs swapped per step: user data (the raw batch views, a stage's received
-    activations) stays on the device, and so does the input of each rank's last layer."""
+    """Layer inputs swapped per step: the raw batch views (user data) stay on the device, and so
+    does the input of each rank's last layer; a stage's received activations are swapped."""
     schedule, _, raw = _parse(run)
     stages = [rank + 2 * k for k in range(2 if schedule == "interleaved" else 1)]
     per_stage = NUM_LAYERS // (2 * len(stages))
     swapped = len(stages) * per_stage - 1  # one tag per rank: its last layer keeps its input
-    swapped -= sum(1 for s in stages if s > 0 or raw)  # first layer fed user data
+    swapped -= sum(1 for s in stages if s == 0 and raw)  # first layer fed the user's views
     return MICROBATCHES * swapped
 
 

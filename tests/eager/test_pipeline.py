@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from tests.eager import pp_worker
 
 # Per rank and step: 4 micro-batches x the swapped layers of the rank (4 layers per rank; the
-# last keeps its input, and so does a layer fed user data: a stage's received activations, the
-# raw micro-batch views; see pp_worker.expected_swaps_per_step). The first step also swaps in the
+# last keeps its input, and so does a first layer fed the user's raw micro-batch views; see
+# pp_worker.expected_swaps_per_step). The first step also swaps in the
 # stage's one extra grad-enabled forward (shape inference), whose graph is dropped: the "clean"
 # check shows its groups went with it.
 RUNS = pp_worker.RUNS
