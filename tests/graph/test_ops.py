@@ -32,6 +32,12 @@ def _round_trip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return host, OPS.wait(dev, host)
 
 
+# opcheck compares the outputs of swap_out and prefetch before any wait ran on them: under the
+# stream model those are poison until waited for, by design. These checks run unmodelled.
+_OPCHECK_UNMODELLED = pytest.mark.no_stream_model
+
+
+@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 def test_opcheck_swap_out(kind):
     x = _inputs()[kind]
@@ -39,6 +45,7 @@ def test_opcheck_swap_out(kind):
     torch.library.opcheck(OPS.swap_out.default, (x, 1 << 20, False))
 
 
+@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 @pytest.mark.parametrize("op", ["prefetch", "swap_in"])
 def test_opcheck_prefetch_and_swap_in(kind, op):
@@ -56,6 +63,7 @@ def test_opcheck_prefetch_and_swap_in(kind, op):
 WAIT_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
+@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 def test_opcheck_wait(kind):
     x = _inputs()[kind]
