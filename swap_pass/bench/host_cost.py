@@ -79,12 +79,23 @@ def _smartswap(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], C
 
     smart = swap_pass.SmartSwap(model, memory_budget=0.25)
     smart.__enter__()
+    # SmartSwap's saved-tensor hooks are process-wide: left on, they would also pack the other
+    # methods' tensors in the interleaved rounds (keeping their storages alive and shared). So
+    # they are on only around this method's own forward; unpacking is bound at pack time.
+    hooks = smart._hooks
+    hooks.__exit__(None, None, None)
 
     def step() -> None:
-        model(x).backward()
+        with hooks:
+            loss = model(x)
+        loss.backward()
         smart.step()
 
-    return step, smart.close
+    def close() -> None:
+        hooks.__enter__()  # close() takes them off again
+        smart.close()
+
+    return step, close
 
 
 HOST_METHODS: dict[str, Callable] = {
