@@ -21,18 +21,6 @@ OPS = torch.ops.swap_pass
 INDUCTOR_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture
-def no_compile_caches():
-    """Partition afresh: a cache hit replays the rewritten graphs without calling the partitioner,
-    which would leave ``backend.partitions`` empty (the swaps still happen then)."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
-        yield
-
-
 def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -165,7 +153,7 @@ def test_changing_sequence_length():
 
 
 @pytest.mark.slow
-def test_inductor_checkpointed_within_tolerance(no_compile_caches):
+def test_inductor_checkpointed_within_tolerance():
     model = tiny_model(L, recompute=True)
     ref = twin(model)
     backend = make_swap_backend()  # inductor
@@ -182,7 +170,7 @@ def test_inductor_checkpointed_within_tolerance(no_compile_caches):
 
 
 @pytest.mark.slow
-def test_hf_llama_tiny_trains_three_steps_like_inductor(no_compile_caches):
+def test_hf_llama_tiny_trains_three_steps_like_inductor():
     def run(backend):
         model = hf_llama_tiny(num_layers=L)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
