@@ -31,7 +31,7 @@ def test_rows_on_cpu_are_exact_and_swap_saves_memory():
 
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     sizes = bench_megatron.MegatronBenchSizes(num_layers=4, hidden=64, heads=4, ffn=128,
-                                              vocab=128, seq=32, micro_batch=2, micro_batches=2,
+                                              vocab=128, seq=256, micro_batch=2, micro_batches=2,
                                               steps=1)
     with mc.cpu_shims():
         mc.init_parallel()
