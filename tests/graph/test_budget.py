@@ -121,17 +121,13 @@ def test_inductor_output_code_keeps_every_wait_behind_its_compute():
     """4 checkpointed layers under Inductor: in the backward's output code each wait comes after
     a kernel, run after its prefetch, that reads or writes its ``after`` tensor (the compute the
     H2D copy hides behind), and at least one kernel runs between each prefetch and its wait."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_model(4, recompute=True)
     backend = make_swap_backend()
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
-        _, codes = run_and_get_code(lambda: _step(compiled, model))
+    torch._dynamo.reset()  # compile caches are off for every graph test (tests/graph/conftest.py)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    _, codes = run_and_get_code(lambda: _step(compiled, model))
     lines = _body(next(c for c in codes if "swap_pass.prefetch" in c))
     alias = dict(re.fullmatch(r"(buf\d+) = (buf\d+)", ln).groups() for ln in lines
                  if re.fullmatch(r"buf\d+ = buf\d+", ln))
