@@ -182,20 +182,10 @@ def is_guarded(group: SwapTensors) -> bool:
 # --- forward-side steps ---------------------------------------------------------------------
 
 
-def _copying_earlier(manager: SwapLayerInputManager):
-    """``(manager, group)`` for the groups of earlier layers whose D2H is running."""
-    prev = manager.previous
-    while prev is not None:
-        for group in list(prev.batch_stack):
-            if group.stat == SwapState.D2H:
-                yield prev, group
-        prev = prev.previous
-
-
 def free_previous(manager: SwapLayerInputManager, abandon: bool = True) -> None:
     """Free earlier layers' inputs whose D2H is running; abandon the unguarded ones (if
     ``abandon``: a later call may still guard them otherwise)."""
-    for prev, group in _copying_earlier(manager):
+    for prev, group in manager.copying_earlier():
         if is_guarded(group) and may_free(group.tensors, prev.name):
             group.wait_d2h()
         elif is_guarded(group) or abandon:
@@ -219,7 +209,7 @@ def _left_region(hidden_states: torch.Tensor) -> bool:
 
 def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
     """The last layer ran: no later call can guard what is still unguarded; keep it on device."""
-    for prev, group in _copying_earlier(manager):
+    for prev, group in manager.copying_earlier():
         if not is_guarded(group):
             prev.wait_swap_in(group)
 
@@ -233,7 +223,7 @@ def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch
     """
     if not _left_region(hidden_states):
         return
-    for prev, group in list(_copying_earlier(manager)):
+    for prev, group in manager.copying_earlier():
         if not is_guarded(group):
             BackwardGuard(prev, group).attach([hidden_states])
 

@@ -141,7 +141,10 @@ class DeviceStreams:
         The caller orders ``stream`` after the producer of ``src`` (and the allocation of
         ``dst``) first, and records an event after it for the consumer to wait on.
         """
-        with self.use(stream):
+        if stream is None:  # CPU: no stream to make current
+            dst.copy_(src)
+            return
+        with stream:
             dst.copy_(src, non_blocking=self.is_async)
 
     @staticmethod

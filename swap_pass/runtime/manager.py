@@ -87,6 +87,9 @@ class SwapLayerInputManager:
     _map_lock: ClassVar[threading.RLock] = threading.RLock()
     # Managers that reset() dropped, per tag in layer order: re-registered on their next use.
     _retired: ClassVar[dict[str, list[weakref.ref[SwapLayerInputManager]]]] = {}
+    # Per tag, the managers that started a device-to-host copy not yet known to be over, so that
+    # finding earlier layers' copies at every layer call does not walk every earlier manager.
+    _copying: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
 
     def __init__(
         self,
@@ -148,8 +151,11 @@ class SwapLayerInputManager:
     def _neighbour(self, step: int) -> SwapLayerInputManager | None:
         layers = self.manager_map.get(self.module_tag, [])
         idx = self.layer_idx + step
-        registered = self.layer_idx < len(layers) and layers[self.layer_idx] is self
-        return layers[idx] if registered and 0 <= idx < len(layers) else None
+        return layers[idx] if self._registered() and 0 <= idx < len(layers) else None
+
+    def _registered(self) -> bool:
+        layers = self.manager_map.get(self.module_tag, ())
+        return self.layer_idx < len(layers) and layers[self.layer_idx] is self
 
     def ensure_registered(self) -> None:
         """Called at each layer call: after :func:`swap_pass.reset`, register again.
@@ -157,6 +163,8 @@ class SwapLayerInputManager:
         The managers of the tag that reset() dropped come back together, in their old order,
         so that the first step after a reset swaps exactly like the steps before it.
         """
+        if self._registered():  # every call but the first after a reset
+            return
         with self._map_lock:
             layers = self.manager_map.get(self.module_tag, [])
             if self.layer_idx < len(layers) and layers[self.layer_idx] is self:
@@ -176,6 +184,8 @@ class SwapLayerInputManager:
             layers = self.manager_map.get(self.module_tag, [])
             if self in layers:
                 layers.remove(self)
+            copying = self._copying.get(self.module_tag, [])
+            copying[:] = [m for m in copying if m is not self]
             for idx, manager in enumerate(layers):
                 manager.layer_idx = idx
             if not layers:
@@ -211,7 +221,30 @@ class SwapLayerInputManager:
             self.preflight_for(group.host_nbytes)
         self.batch_stack.append(group)
         group.swap_to_host()
+        copying = self._copying.setdefault(self.module_tag, [])
+        if all(m is not self for m in copying):
+            copying.append(self)
         return group
+
+    def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
+        """``(manager, group)`` for earlier layers' groups whose device-to-host copy runs.
+
+        Nearest layer first, each layer's groups in micro-batch order; empty when this manager
+        is not registered.
+        """
+        copying = self._copying.get(self.module_tag)
+        if not copying or not self._registered():
+            return []
+        found, still = [], []
+        for manager in copying:
+            groups = [g for g in manager.batch_stack if g.stat == SwapState.D2H]
+            if groups and manager._registered():
+                still.append(manager)
+                if manager.layer_idx < self.layer_idx:
+                    found.append((manager, groups))
+        copying[:] = still
+        found.sort(key=lambda entry: -entry[0].layer_idx)
+        return [(manager, g) for manager, groups in found for g in groups]
 
     def preflight_for(self, group_nbytes: int) -> None:
         """Before the first step of a shape: check the host can hold every layer's group at once.
@@ -302,3 +335,4 @@ class SwapLayerInputManager:
                     manager.clear()
                 cls._retired[tag] = [weakref.ref(m) for m in layers]
             cls.manager_map.clear()
+            cls._copying.clear()

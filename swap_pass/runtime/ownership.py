@@ -38,6 +38,7 @@ Note: [Ownership rule]
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -80,8 +81,10 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
     """
     known = {id(t): t for t in tensors}
     known.update((id(t._base), t._base) for t in tensors if t._base is not None)
-    saved = sum(_saved_as_output(t) for t in known.values())
-    return _holders(tensors[0]) - len(known) - saved
+    extra = _holders(tensors[0]) - len(known)
+    if extra <= 0:  # the common case: no saved output to look for
+        return extra
+    return extra - sum(_saved_as_output(t) for t in known.values())
 
 
 def _saved_as_output(t: torch.Tensor) -> int:
@@ -95,14 +98,23 @@ def _saved_as_output(t: torch.Tensor) -> int:
     fn = t.grad_fn
     if fn is None:
         return 0
+    names = _saved_result_names(type(fn))
+    if not names:
+        return 0
     key = t.untyped_storage().data_ptr()
     count = 0
-    for name in dir(fn):
-        raw = getattr(fn, name) if name.startswith("_raw_saved_result") else None
+    for name in names:
+        raw = getattr(fn, name)
         if isinstance(raw, torch._C._autograd.SavedTensor) and raw.unpack_hook is None:
             data = raw.data
             count += data is not None and data.untyped_storage().data_ptr() == key
     return count
+
+
+@functools.cache
+def _saved_result_names(node_type: type) -> tuple[str, ...]:
+    """The attributes of a backward node class that hold its op's saved result."""
+    return tuple(name for name in dir(node_type) if name.startswith("_raw_saved_result"))
 
 
 def is_user_data(t: torch.Tensor) -> bool:

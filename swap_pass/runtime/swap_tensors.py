@@ -239,14 +239,14 @@ class SwapTensors:
             ds = self._streams()
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
-            stats.record(device_bytes_released=-self.nbytes)
             ready = ds.record_event(ds.compute_stream())
             stream = stream or ds.h2d_stream()
             ds.wait(stream, ready)
             for e in self._entries:
                 ds.copy(stream, e.device_bytes(), e.host)
             self._event = ds.record_event(stream)
-            stats.record(swap_ins=1, swapped_in_bytes=self.host_nbytes)
+            stats.record(device_bytes_released=-self.nbytes, swap_ins=1,
+                         swapped_in_bytes=self.host_nbytes)
         self.stat = SwapState.H2D
 
     def wait_h2d(self) -> None:
