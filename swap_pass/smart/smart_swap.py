@@ -21,8 +21,10 @@ step re-profiles; ``plan_cache_size=0`` re-profiles at every change instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -230,6 +232,36 @@ class SmartSwap:
         self._tracker.remove()
         if self in _active:
             _active.remove(self)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Let tensors saved inside leave SmartSwap alone (another model's forward, say).
+
+        SmartSwap's saved-tensor hooks apply to every autograd graph built while it is active,
+        not only its model's. Inside ``paused()`` they are off; tensors saved earlier still
+        restore at backward. A no-op outside ``with SmartSwap(...)``.
+
+        Raises:
+            RuntimeError: another ``torch.autograd.graph.saved_tensors_hooks`` was entered after
+                SmartSwap and is still active (the hooks form a stack: only the top one can be
+                suspended).
+        """
+        hooks = self._hooks
+        if hooks is None:
+            yield
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] is not hooks.pack_hook:
+            raise RuntimeError(
+                "swap_pass.SmartSwap.paused: other saved-tensor hooks were entered after this "
+                "SmartSwap and are still active. Pause SmartSwap outside them (the hooks form "
+                "a stack: only the top one can be suspended)."
+            )
+        hooks.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            hooks.__enter__()
 
     def step(self) -> Stage:
         """Close the step (after backward and the optimizer step); return the next step's stage.

@@ -17,7 +17,8 @@ from swap_pass import SmartSwap, SwapConfig
 from swap_pass.models import make_batch
 from swap_pass.smart import SmartSwapConfig, Stage
 
-from .helpers import BATCH, SEQ, Pair, SavedBytesCounter, unswapped_peak as _unswapped_peak
+from .helpers import BATCH, SEQ, Pair, SavedBytesCounter, no_hooks, tiny_model
+from .helpers import unswapped_peak as _unswapped_peak
 
 
 def test_budget_of_a_quarter_holds_and_gradients_are_bitwise_equal(device):
@@ -151,3 +152,45 @@ def test_host_cap_applies_and_keep_on_device_stays_exact():
                 pair.step(smart, seed=s)
     stats = swap_pass.swap_stats()
     assert stats.kept_on_device > 0 and stats.peak_host_bytes_in_use <= 64 * 1024
+
+
+def _packed_by_smartswap(loss: torch.Tensor) -> bool:
+    """Whether any tensor saved in ``loss``'s graph went through a saved-tensor pack hook."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_raw_saved_"):
+                raw = getattr(node, name)
+                if isinstance(raw, torch._C._autograd.SavedTensor) and raw.unpack_hook is not None:
+                    return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def test_paused_leaves_another_models_saved_tensors_alone():
+    pair, other = Pair(), tiny_model(seed=1)
+    ids, labels = make_batch(other.cfg, BATCH, SEQ, seed=3)
+    with no_hooks():
+        ref = other(ids, labels)
+    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+        for _ in range(4):
+            with smart.paused():
+                loss = other(ids, labels)
+            assert not _packed_by_smartswap(loss)
+            assert torch.equal(loss, ref)
+            loss.backward()
+            pair.step(smart)
+        assert _packed_by_smartswap(other(ids, labels))  # on again after paused()
+    with smart.paused():  # closed: nothing to pause
+        pass
+
+
+def test_paused_refuses_to_pop_hooks_entered_after_it():
+    with SmartSwap(tiny_model(), memory_budget=0.25) as smart, no_hooks():
+        with pytest.raises(RuntimeError, match="other saved-tensor hooks"):
+            with smart.paused():
+                pass
