@@ -241,6 +241,14 @@ def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):
     assert "profiler_start" not in out + err and "profiler_stop" not in out + err
 
 
+def test_profiler_chatter_after_a_progress_bar_is_dropped():
+    from swap_pass.bench.measure import _PROFILER_CHATTER
+
+    text = ("step:  33%|###| 3/9\rUSDT:2026-12-01 05:31:08 1:1 SyncActivityProfilerHandler.cpp:59] "
+            "profiler_stop\nUSDT: not the profiler's\nkept\n")
+    assert _PROFILER_CHATTER.sub("", text) == "step:  33%|###| 3/9\rUSDT: not the profiler's\nkept\n"
+
+
 def test_load_caveat_names_load_or_spread():
     from swap_pass.bench.run import load_caveat
 
