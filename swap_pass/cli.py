@@ -77,7 +77,7 @@ def _add_bench(sub) -> None:
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
     p.add_argument("--no-smart-rows", action="store_true",
                    help="skip SmartSwap's own rows (profiler overhead, budget, varying lengths: "
-                   "the longest part of the bench on CPU)")
+                   "about a quarter of the bench's time on CPU)")
     p.add_argument("--no-host-rows", action="store_true",
                    help="skip the host CPU time per layer rows (a few seconds)")
     p.add_argument("--megatron", action="store_true",
