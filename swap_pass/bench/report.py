@@ -31,7 +31,7 @@ def _match(r: MethodResult) -> str:
     return "exact" if r.losses_match else f"differs {r.max_loss_diff:.1e}"
 
 
-_HEAD = ["method", "peak MiB", "mem", "step ms", "CPU ms", "time", "tok/s", "losses vs ref",
+_HEAD = ["method", "peak MiB", "mem", "step ms", "CPU ms", "time", "cpu", "tok/s", "losses vs ref",
          "D2H GB/s", "H2D GB/s", "host MiB"]
 
 
@@ -42,7 +42,7 @@ def ms(seconds: float | None) -> str:
 
 def _cells(r: MethodResult) -> list[str]:
     return [r.label, mib(r.peak_bytes), _x(r.memory_ratio), ms(r.step_s), ms(r.cpu_s),
-            _x(r.time_ratio), f"{r.tokens_per_s:,.0f}", _match(r), _gbs(r.d2h_gbs), _gbs(r.h2d_gbs),
+            _x(r.time_ratio), _x(r.cpu_ratio), f"{r.tokens_per_s:,.0f}", _match(r), _gbs(r.d2h_gbs), _gbs(r.h2d_gbs),
             mib(r.peak_host_bytes) if r.peak_host_bytes else "-"]
 
 
@@ -99,8 +99,8 @@ def format_report(report: BenchReport) -> str:
         format_rows(report.rows),
         "",
         f"peak MiB: {src}. mem: ratio to 'no swap'.",
-        "step ms / CPU ms: median wall / process CPU time of a step. time: median of (step / the "
-        "no-swap step run right after it); tok/s: tokens per second of wall time.",
+        "step ms / CPU ms: median wall / process CPU time of a step. time / cpu: median of (step / "
+        "the no-swap step run right after it), in wall / CPU time; tok/s: tokens per second of wall time.",
         "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against the same compile without swap).",
         "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak host bytes.",
         _anchor_line(report.anchor),

@@ -66,6 +66,8 @@ def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
             continue
         if base is not None and base.status == "ok" and base.peak_bytes:
             r.memory_ratio = r.peak_bytes / base.peak_bytes
+        if r.paired_cpu_ratios:
+            r.cpu_ratio = statistics.median(r.paired_cpu_ratios)
         if r.paired_ratios:
             r.time_ratio = statistics.median(r.paired_ratios)
         elif base is not None and base.status == "ok":

@@ -104,6 +104,7 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
     for r in (base, rec):  # paired timing: one pace-setter step after each timed step
         assert len(r["paired_ratios"]) == len(r["pace_times_s"]) == len(r["step_times_s"]) == 1
         assert r["time_ratio"] == r["paired_ratios"][0] == r["step_times_s"][0] / r["pace_times_s"][0]
+        assert r["cpu_ratio"] == r["paired_cpu_ratios"][0] == r["cpu_times_s"][0] / r["pace_cpu_times_s"][0]
         assert r["tokens_ratio"] == pytest.approx(1 / r["time_ratio"]) and r["cpu_s"] > 0
     assert base["losses_match"] is None  # it is the reference
     # Full recompute keeps only layer inputs: its step peak is far below no swap's.
