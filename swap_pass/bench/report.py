@@ -148,13 +148,13 @@ def _zoom_limit(curves: list) -> float | None:
     """Upper MiB limit of the zoomed panel, or None when every row fits the full one.
 
     The zoom shows the rows that peak within 2x of the lowest peak (recompute and swap rows
-    side by side), when the largest peak is more than 3x theirs.
+    side by side), when the largest peak is more than 3x the lowest.
     """
     peaks = sorted(max(mib_) for _, _, mib_ in curves)
     if not peaks or peaks[0] <= 0:
         return None
     low = [p for p in peaks if p <= 2 * peaks[0]]
-    return 1.15 * low[-1] if peaks[-1] > 3 * low[-1] else None
+    return 1.15 * low[-1] if peaks[-1] > 3 * peaks[0] else None
 
 
 def plot_memory(report: BenchReport, path: str) -> None:
