@@ -113,8 +113,8 @@ def _row_text(row: dict) -> dict:
     return {"label": str(row.get("name", "")), "value": text, "data": row}
 
 
-def smart_extra_rows(overhead_steps: int = 6, change_seq: int | None = 384,
-                     dynamic_steps: int = 6) -> dict:
+def smart_extra_rows(overhead_steps: int = 8, change_seq: int | None = 384,
+                     dynamic_steps: int = 5) -> dict:
     """SmartSwap's own rows from ``swap_pass.smart.bench``: profiler overhead, peak vs budget,
     and a varying-length schedule with and without the plan cache.
 
@@ -124,12 +124,13 @@ def smart_extra_rows(overhead_steps: int = 6, change_seq: int | None = 384,
     # SmartSwap's own CPU bench model, whatever the bench's device.
 
     Args:
-        overhead_steps: Timed steps per profiler variant. Default: ``6``.
+        overhead_steps: Timed steps per profiler variant. Default: ``8`` (with fewer, the paired
+            medians wander between runs by about as much as the overhead they measure).
         change_seq: Sequence length the budget rows switch to after their stable steps (the
             change step's peak against the budget in force); None for no change. Default:
             ``384`` (from 256).
         dynamic_steps: Steps of the varying-length schedule (``dynamic_rows``); 0 for none.
-            Default: ``6`` (with the plan cache, half of them already run a plan; without it,
+            Default: ``5`` (with the plan cache, a length seen before runs a plan; without it,
             profiling keeps coming back).
     """
     try:
