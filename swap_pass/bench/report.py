@@ -69,11 +69,14 @@ def _anchor_line(anchor: dict) -> str:
 def _host_lines(host: dict) -> list[str]:
     if host.get("status") != "ok":
         return [f"host us per layer: skipped ({host.get('reason', '')})"] if host else []
-    cells = ", ".join(f"{name} {v['us_per_layer']:.1f} (IQR {v['iqr_us_per_layer']:.1f})"
-                      for name, v in host["rows"].items() if name != "no swap")
+    base = host["rows"]["no swap"]["step_cpu_ms"]
+    cells = ", ".join(f"{name} {v['us_per_layer']:.1f} (IQR {v['iqr_us_per_layer']:.1f}; step "
+                      f"{v['step_cpu_ms'] / base:.2f}x)" for name, v in host["rows"].items()
+                      if name != "no swap")
     return [f"host us per layer (process CPU time added per layer per step over no swap; "
             f"{host['layers']} tiny checkpointed layers, 1 thread, median of {host['rounds']} "
-            f"paired rounds): {cells}"]
+            f"paired rounds; step: median step CPU time over no swap's, which the machine's "
+            f"speed moves less): {cells}"]
 
 
 def _extra_lines(extra: dict) -> list[str]:
