@@ -22,7 +22,7 @@ __all__ = ["DEMO_METHODS", "DEMO_PRESET", "demo_preset", "format_demo", "run_dem
 DEMO_METHODS = ("no_swap", "recompute", "eager_swap")
 DEFAULT_STEPS = 3  # per row: 1 warm-up, 1 timed (and its paired no-swap step), 1 profiled
 
-# No compile rows here, so the demo affords 16 layers (the bench's tiny preset has 8): the 15
+# No compile rows here, so the demo affords 16 layers (the bench's tiny preset has 6): the 15
 # layer inputs swap frees are then about a third of the full-recompute peak. Seq 256 (not 512)
 # halves every step and leaves the peaks' ratios as they were.
 DEMO_PRESET = BenchPreset(

@@ -151,9 +151,9 @@ class _Trainer:
             out.cpu.append(cpu)
             if pace is not None:
                 with pause():
-                    wall, cpu = pace.timed_step()
-                out.pace.append(wall)
-                out.pace_cpu.append(cpu)
+                    pace_wall, pace_cpu = pace.timed_step()
+                out.pace.append(pace_wall)
+                out.pace_cpu.append(pace_cpu)
         return out
 
 
