@@ -25,17 +25,18 @@ def _device(name: str | None) -> torch.device:
 
 
 def _add_sizes(p: argparse.ArgumentParser, bench: bool) -> None:
+    from swap_pass.bench.demo import DEMO_PRESET
     from swap_pass.bench.presets import get_preset
 
-    tiny = get_preset("tiny")
+    base = get_preset("tiny") if bench else DEMO_PRESET
 
     def default(value: int) -> str:
         return f"(default: the preset's; {value} for tiny)" if bench else f"(default: {value})"
 
-    p.add_argument("--hidden", type=int, help="hidden size " + default(tiny.model.hidden_size))
-    p.add_argument("--layers", type=int, help="number of layers " + default(tiny.model.num_layers))
-    p.add_argument("--seq", type=int, help="sequence length " + default(tiny.seq))
-    p.add_argument("--batch", type=int, help="micro-batch size " + default(tiny.batch))
+    p.add_argument("--hidden", type=int, help="hidden size " + default(base.model.hidden_size))
+    p.add_argument("--layers", type=int, help="number of layers " + default(base.model.num_layers))
+    p.add_argument("--seq", type=int, help="sequence length " + default(base.seq))
+    p.add_argument("--batch", type=int, help="micro-batch size " + default(base.batch))
     p.add_argument("--device", help="cpu, cuda, npu... (default: the accelerator if one is present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
     p.add_argument("--threads", type=int, default=1,
@@ -46,7 +47,7 @@ def _add_demo(sub) -> None:
     from swap_pass.bench.demo import DEFAULT_STEPS
 
     p = sub.add_parser("demo", help="train a small Llama-style model with and without swap",
-                       description="Train the tiny preset's Llama-style model with no swap, full "
+                       description="Train a small Llama-style model with no swap, full "
                        "recompute and recompute + swap; print peak memory, step time and whether "
                        "the losses match no swap bitwise.")
     _add_sizes(p, bench=False)
@@ -76,7 +77,7 @@ def _add_bench(sub) -> None:
                    help="SmartSwap budget as a fraction of the no-swap peak (default: 0.25)")
     p.add_argument("--no-smart-rows", action="store_true",
                    help="skip SmartSwap's own rows (profiler overhead, budget, varying lengths: "
-                   "the longest part of the bench on CPU)")
+                   "about a quarter of the bench's time on CPU)")
     p.add_argument("--no-host-rows", action="store_true",
                    help="skip the host CPU time per layer rows (a few seconds)")
     p.add_argument("--megatron", action="store_true",

@@ -10,9 +10,10 @@ Note: [Paired timing]
 On a shared machine the speed of a step moves with other work by several times within a
 minute. Each timed step of a method is therefore followed by one step of a plain no-swap model
 of the same size (the pace setter, shared by all rows, with the method paused); the method's
-time ratio is the median over its steps of (its wall time / the pace setter's right after).
-Load that comes and goes hits both halves of a pair alike. Wall and process CPU time (all
-threads) are kept for every step, device synchronized.
+time ratio is the median over its steps of (its wall time / the pace setter's right after), and
+its CPU ratio the same in process CPU time (all threads), which other processes on the cores
+move far less. Load that comes and goes hits both halves of a pair alike. Wall and CPU time are
+kept for every step, device synchronized.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class MethodResult:
     cpu_s: float | None = None
     cpu_times_s: list[float] = dataclasses.field(default_factory=list)
     pace_times_s: list[float] = dataclasses.field(default_factory=list)
+    pace_cpu_times_s: list[float] = dataclasses.field(default_factory=list)
     paired_ratios: list[float] = dataclasses.field(default_factory=list)
+    paired_cpu_ratios: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: float | None = None
     peak_bytes: int | None = None
     peak_source: str = ""
@@ -68,6 +71,7 @@ class MethodResult:
     h2d_gbs: float | None = None
     memory_ratio: float | None = None
     time_ratio: float | None = None
+    cpu_ratio: float | None = None
     tokens_ratio: float | None = None
     curve_ms: list[float] = dataclasses.field(default_factory=list, repr=False)
     curve_bytes: list[int] = dataclasses.field(default_factory=list, repr=False)
@@ -147,7 +151,9 @@ class _Trainer:
             out.cpu.append(cpu)
             if pace is not None:
                 with pause():
-                    out.pace.append(pace.timed_step()[0])
+                    pace_wall, pace_cpu = pace.timed_step()
+                out.pace.append(pace_wall)
+                out.pace_cpu.append(pace_cpu)
         return out
 
 
@@ -156,6 +162,7 @@ class _Times:
     wall: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
     pace: list[float] = dataclasses.field(default_factory=list)
+    pace_cpu: list[float] = dataclasses.field(default_factory=list)
 
 
 def pace_setter(preset: BenchPreset, device: torch.device, seed: int) -> _Trainer:
@@ -170,8 +177,9 @@ def _fill(result: MethodResult, trainer: _Trainer, times: _Times, prof: StepProf
     result.status, result.steps = "ok", len(trainer.losses)
     result.step_s, result.step_times_s = statistics.median(times.wall), times.wall
     result.cpu_s, result.cpu_times_s = statistics.median(times.cpu), times.cpu
-    result.pace_times_s = times.pace
+    result.pace_times_s, result.pace_cpu_times_s = times.pace, times.pace_cpu
     result.paired_ratios = [w / p for w, p in zip(times.wall, times.pace)]
+    result.paired_cpu_ratios = [c / p for c, p in zip(times.cpu, times.pace_cpu) if p > 0]
     result.tokens_per_s = trainer.preset.tokens_per_step / result.step_s
     result.peak_bytes, result.peak_source = prof.peak_bytes, prof.peak_source
     result.curve_ms, result.curve_bytes = prof.curve_ms, prof.curve_bytes

@@ -178,8 +178,9 @@ def _device_start(device: torch.device) -> int:
 
 
 # Kineto prints "USDT: ... profiler_start" / "profiler_stop" and "STAGE: ... Completed Stage"
-# lines from C++ for every profiled region, whatever KINETO_LOG_LEVEL says.
-_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):.*(profiler_st(art|op)|Completed Stage)")
+# lines from C++ for every profiled region, whatever KINETO_LOG_LEVEL says. They may follow text
+# with no newline of its own (a progress bar redrawn with "\r"), so they are cut wherever they start.
+_PROFILER_CHATTER = re.compile(r"(USDT|STAGE):[^\n]*(profiler_st(art|op)|Completed Stage)[^\n]*\n?")
 
 
 @contextlib.contextmanager
@@ -210,9 +211,7 @@ def _restore(saved: list, files: list, replay: bool) -> None:
         os.close(copy)
         if replay:
             tmp.seek(0)
-            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _PROFILER_CHATTER.match(line)]
-            stream.write("".join(kept))
+            stream.write(_PROFILER_CHATTER.sub("", tmp.read().decode(errors="replace")))
             stream.flush()
         tmp.close()
 

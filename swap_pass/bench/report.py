@@ -31,7 +31,7 @@ def _match(r: MethodResult) -> str:
     return "exact" if r.losses_match else f"differs {r.max_loss_diff:.1e}"
 
 
-_HEAD = ["method", "peak MiB", "mem", "step ms", "CPU ms", "time", "tok/s", "losses vs ref",
+_HEAD = ["method", "peak MiB", "mem", "step ms", "CPU ms", "time", "cpu", "tok/s", "losses vs ref",
          "D2H GB/s", "H2D GB/s", "host MiB"]
 
 
@@ -42,7 +42,7 @@ def ms(seconds: float | None) -> str:
 
 def _cells(r: MethodResult) -> list[str]:
     return [r.label, mib(r.peak_bytes), _x(r.memory_ratio), ms(r.step_s), ms(r.cpu_s),
-            _x(r.time_ratio), f"{r.tokens_per_s:,.0f}", _match(r), _gbs(r.d2h_gbs), _gbs(r.h2d_gbs),
+            _x(r.time_ratio), _x(r.cpu_ratio), f"{r.tokens_per_s:,.0f}", _match(r), _gbs(r.d2h_gbs), _gbs(r.h2d_gbs),
             mib(r.peak_host_bytes) if r.peak_host_bytes else "-"]
 
 
@@ -69,11 +69,14 @@ def _anchor_line(anchor: dict) -> str:
 def _host_lines(host: dict) -> list[str]:
     if host.get("status") != "ok":
         return [f"host us per layer: skipped ({host.get('reason', '')})"] if host else []
-    cells = ", ".join(f"{name} {v['us_per_layer']:.1f} (IQR {v['iqr_us_per_layer']:.1f})"
-                      for name, v in host["rows"].items() if name != "no swap")
+    base = host["rows"]["no swap"]["step_cpu_ms"]
+    cells = ", ".join(f"{name} {v['us_per_layer']:.1f} (IQR {v['iqr_us_per_layer']:.1f}; step "
+                      f"{v['step_cpu_ms'] / base:.2f}x)" for name, v in host["rows"].items()
+                      if name != "no swap")
     return [f"host us per layer (process CPU time added per layer per step over no swap; "
             f"{host['layers']} tiny checkpointed layers, 1 thread, median of {host['rounds']} "
-            f"paired rounds): {cells}"]
+            f"paired rounds; step: median step CPU time over no swap's, which the machine's "
+            f"speed moves less): {cells}"]
 
 
 def _extra_lines(extra: dict) -> list[str]:
@@ -99,8 +102,8 @@ def format_report(report: BenchReport) -> str:
         format_rows(report.rows),
         "",
         f"peak MiB: {src}. mem: ratio to 'no swap'.",
-        "step ms / CPU ms: median wall / process CPU time of a step. time: median of (step / the "
-        "no-swap step run right after it); tok/s: tokens per second of wall time.",
+        "step ms / CPU ms: median wall / process CPU time of a step. time / cpu: median of (step / "
+        "the no-swap step run right after it), in wall / CPU time; tok/s: tokens per second of wall time.",
         "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against the same compile without swap).",
         "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak host bytes.",
         _anchor_line(report.anchor),
@@ -148,13 +151,13 @@ def _zoom_limit(curves: list) -> float | None:
     """Upper MiB limit of the zoomed panel, or None when every row fits the full one.
 
     The zoom shows the rows that peak within 2x of the lowest peak (recompute and swap rows
-    side by side), when the largest peak is more than 3x theirs.
+    side by side), when the largest peak is more than 3x the lowest.
     """
     peaks = sorted(max(mib_) for _, _, mib_ in curves)
     if not peaks or peaks[0] <= 0:
         return None
     low = [p for p in peaks if p <= 2 * peaks[0]]
-    return 1.15 * low[-1] if peaks[-1] > 3 * low[-1] else None
+    return 1.15 * low[-1] if peaks[-1] > 3 * peaks[0] else None
 
 
 def plot_memory(report: BenchReport, path: str) -> None:

@@ -104,6 +104,7 @@ def test_bench_numbers_are_measured_not_assumed(bench_json):
     for r in (base, rec):  # paired timing: one pace-setter step after each timed step
         assert len(r["paired_ratios"]) == len(r["pace_times_s"]) == len(r["step_times_s"]) == 1
         assert r["time_ratio"] == r["paired_ratios"][0] == r["step_times_s"][0] / r["pace_times_s"][0]
+        assert r["cpu_ratio"] == r["paired_cpu_ratios"][0] == r["cpu_times_s"][0] / r["pace_cpu_times_s"][0]
         assert r["tokens_ratio"] == pytest.approx(1 / r["time_ratio"]) and r["cpu_s"] > 0
     assert base["losses_match"] is None  # it is the reference
     # Full recompute keeps only layer inputs: its step peak is far below no swap's.
@@ -239,6 +240,14 @@ def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):
     out, err = capfd.readouterr()
     assert "from the step" in out
     assert "profiler_start" not in out + err and "profiler_stop" not in out + err
+
+
+def test_profiler_chatter_after_a_progress_bar_is_dropped():
+    from swap_pass.bench.measure import _PROFILER_CHATTER
+
+    text = ("step:  33%|###| 3/9\rUSDT:2026-12-01 05:31:08 1:1 SyncActivityProfilerHandler.cpp:59] "
+            "profiler_stop\nUSDT: not the profiler's\nkept\n")
+    assert _PROFILER_CHATTER.sub("", text) == "step:  33%|###| 3/9\rUSDT: not the profiler's\nkept\n"
 
 
 def test_load_caveat_names_load_or_spread():
