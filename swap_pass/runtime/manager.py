@@ -238,7 +238,7 @@ class SwapLayerInputManager:
         found, still = [], []
         for manager in copying:
             groups = [g for g in manager.batch_stack if g.stat == SwapState.D2H]
-            if groups and manager._registered():
+            if groups:  # unregister() and reset_all() drop managers from the index
                 still.append(manager)
                 if manager.layer_idx < self.layer_idx:
                     found.append((manager, groups))

@@ -207,14 +207,14 @@ class SwapTensors:
             self.kept_on_device = True
         elif self._entries:
             ds = self._streams()
-            ready = ds.record_event(ds.compute_stream())
             stream = stream or ds.d2h_stream()
-            ds.wait(stream, ready)
+            _order_after_compute(ds, stream)
             for e in self._entries:
-                ds.wait(stream, e.host_event)
-                e.host_event = None
+                if e.host_event is not None:
+                    ds.wait(stream, e.host_event)
+                    e.host_event = None
                 ds.copy(stream, e.host, e.device_bytes())
-            self._event = ds.record_event(stream)
+            self._event = _record(ds, stream)
             stats.record(swap_outs=1, swapped_out_bytes=self.host_nbytes)
         self.stat = SwapState.D2H
 
@@ -224,7 +224,7 @@ class SwapTensors:
         self._check_unmodified("between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and self._entries:
             ds = self._streams()
-            ds.wait(ds.compute_stream(), self._event)
+            _wait_on_compute(ds, self._event)
             self._event = None
             for e in self._entries:
                 ds.free_storage(e.storage)
@@ -239,12 +239,11 @@ class SwapTensors:
             ds = self._streams()
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
-            ready = ds.record_event(ds.compute_stream())
             stream = stream or ds.h2d_stream()
-            ds.wait(stream, ready)
+            _order_after_compute(ds, stream)
             for e in self._entries:
                 ds.copy(stream, e.device_bytes(), e.host)
-            self._event = ds.record_event(stream)
+            self._event = _record(ds, stream)
             stats.record(device_bytes_released=-self.nbytes, swap_ins=1,
                          swapped_in_bytes=self.host_nbytes)
         self.stat = SwapState.H2D
@@ -253,8 +252,7 @@ class SwapTensors:
         """Make the compute stream wait for the data, then release the host buffers ("h2d" -> "device")."""
         self._expect(SwapState.H2D, "SwapTensors.wait_h2d")
         if not self.kept_on_device and self._entries:
-            ds = self._streams()
-            ds.wait(ds.compute_stream(), self._event)
+            _wait_on_compute(self._streams(), self._event)
             self._event = None
             unguard(self._freed_tensors())
             self._release_host_buffers()
@@ -284,7 +282,7 @@ class SwapTensors:
             self._abandon_d2h()
         elif self.stat in (SwapState.HOST, SwapState.H2D):
             if self.stat == SwapState.H2D:
-                self._streams().wait(self._streams().compute_stream(), self._event)
+                _wait_on_compute(self._streams(), self._event)
                 unguard(self._freed_tensors())
             elif not self.kept_on_device:
                 stats.record(device_bytes_released=-self.nbytes)
@@ -414,6 +412,26 @@ class SwapTensors:
                         f"(version {v} -> {t._version}). A swapped tensor must not be written "
                         "between swap-out and swap-in; clone it before modifying it."
                     )
+
+
+def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
+    """Make ``stream`` wait for the work queued so far on the compute stream.
+
+    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
+    """
+    if stream is not None:
+        ds.wait(stream, ds.record_event(ds.compute_stream()))
+
+
+def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
+    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
+    return None if stream is None else ds.record_event(stream)
+
+
+def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
+    """Make the compute stream wait for ``event`` (None: a synchronous copy, already done)."""
+    if event is not None:
+        ds.wait(ds.compute_stream(), event)
 
 
 def discard_groups_off_device(*, restore: bool = False) -> int:
