@@ -10,10 +10,18 @@ Method: one intra-op thread; every method's model built from the same seed; warm
 then ``rounds`` rounds, each running one step of every method in turn (paired, so load that
 comes and goes hits all of them alike). A method's figure is the median over rounds of its
 step's process CPU time minus the no-swap step's in the same round, divided by ``layers``.
+
+Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``tensor.cpu()``,
+which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
+of two hook calls. ``bare copy + free (reference)`` is the least any layer-input swap does in
+Python (a copy out, a free, a gradient hook that copies back), with none of the safety; it is the
+floor under the eager row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -54,55 +62,104 @@ class HostCostModel(nn.Module):
         return x.sum()
 
 
-def _plain(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
-    return (lambda: model(x).backward()), (lambda: None)
+@dataclasses.dataclass
+class _Method:
+    """One way of keeping activations, built on its own model.
+
+    Attributes:
+        step: One training step (forward and backward).
+        close: Undo what the method changed. Default: nothing.
+        around_others: A context manager factory entered around every *other* method's steps
+            (SmartSwap's hooks apply to every graph built while it is active). Default: ``None``.
+    """
+
+    step: Callable[[], None]
+    close: Callable[[], None] = lambda: None
+    around_others: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
-def _save_on_cpu(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+def _plain(model: nn.Module, x: torch.Tensor) -> _Method:
+    return _Method(lambda: model(x).backward())
+
+
+def _save_on_cpu(model: nn.Module, x: torch.Tensor) -> _Method:
     def step() -> None:
         with torch.autograd.graph.save_on_cpu(pin_memory=False):
             loss = model(x)
         loss.backward()
 
-    return step, (lambda: None)
+    return _Method(step)
 
 
-def _eager(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+def _eager(model: nn.Module, x: torch.Tensor) -> _Method:
     import swap_pass
 
     handle = swap_pass.enable_swap_layer_input(model)
-    return (lambda: model(x).backward()), handle.remove
+    return _Method(lambda: model(x).backward(), handle.remove)
 
 
-def _smartswap(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+def _smartswap(model: nn.Module, x: torch.Tensor) -> _Method:
     import swap_pass
 
     smart = swap_pass.SmartSwap(model, memory_budget=0.25)
     smart.__enter__()
-    # SmartSwap's saved-tensor hooks are process-wide: left on, they would also pack the other
-    # methods' tensors in the interleaved rounds (keeping their storages alive and shared). So
-    # they are on only around this method's own forward; unpacking is bound at pack time.
-    hooks = smart._hooks
-    hooks.__exit__(None, None, None)
 
     def step() -> None:
-        with hooks:
-            loss = model(x)
-        loss.backward()
+        model(x).backward()
         smart.step()
 
+    return _Method(step, smart.close, smart.paused)
+
+
+class _MinimalSwapForward:
+    """A block's forward that swaps its input the barest way: see :func:`_minimal_swap`."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.forward = type(layer).forward.__get__(layer)
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.forward(hidden_states)
+        if torch._C._current_graph_task_id() != -1:  # recomputation in backward
+            return out
+        storage = hidden_states.untyped_storage()
+        nbytes = storage.nbytes()
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        host.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        storage.resize_(0)
+
+        def restore(grad: torch.Tensor) -> None:
+            storage.resize_(nbytes)
+            torch.empty(0, dtype=torch.uint8).set_(storage).copy_(host)
+
+        out.register_hook(restore)
+        return out
+
+
+def _minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
+    """A reference, not a way to train: the least a layer-input swap does in Python per layer.
+
+    Each inner layer's input is copied to a fresh host buffer and its storage freed after the
+    layer ran; a gradient hook on the layer's output re-allocates it and copies the bytes back.
+    Nothing else: no streams or events, no ownership rule, no guard against reading freed data,
+    no buffer pool, no prefetch. The first layer (its input is the caller's) and the last are
+    left alone, as the eager protocol leaves the last.
+    """
+    for layer in list(model.layers)[1:-1]:
+        object.__setattr__(layer, "forward", _MinimalSwapForward(layer))
+
     def close() -> None:
-        hooks.__enter__()  # close() takes them off again
-        smart.close()
+        for layer in model.layers:
+            layer.__dict__.pop("forward", None)
 
-    return step, close
+    return _Method(lambda: model(x).backward(), close)
 
 
-HOST_METHODS: dict[str, Callable] = {
+HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
     "no swap": _plain,
     "torch save_on_cpu": _save_on_cpu,
     "recompute + swap (eager)": _eager,
     "SmartSwap": _smartswap,
+    "bare copy + free (reference)": _minimal_swap,
 }
 
 
@@ -125,29 +182,37 @@ def host_us_per_layer(layers: int = 32, rounds: int = 30, warmup: int = 5,
 
     methods = methods or HOST_METHODS
     x = torch.randn(1, 4, 8, requires_grad=True)
-    steps, closers = {}, []
+    built: dict[str, _Method] = {}
     with intra_op_threads(1):
-        for name, build in methods.items():
-            torch.manual_seed(0)
-            steps[name], close = build(HostCostModel(layers), x)
-            closers.append(close)
         try:
-            times = _rounds(steps, rounds, warmup)
+            for name, build in methods.items():
+                torch.manual_seed(0)
+                built[name] = build(HostCostModel(layers), x)
+            times = _rounds(built, rounds, warmup)
         finally:
-            for close in closers:
-                close()
+            for method in built.values():
+                method.close()
             swap_pass.reset()
     return _summarize(times, layers)
 
 
-def _rounds(steps: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict[str, list[float]]:
-    for step in steps.values():
+def _timed(built: dict[str, _Method], name: str) -> float:
+    """Process CPU time of one step of ``name``, the other methods' contexts entered around it."""
+    with contextlib.ExitStack() as others:
+        for other, method in built.items():
+            if other != name and method.around_others is not None:
+                others.enter_context(method.around_others())
+        return _cpu_time(built[name].step)
+
+
+def _rounds(built: dict[str, _Method], rounds: int, warmup: int) -> dict[str, list[float]]:
+    for name in built:
         for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+            _timed(built, name)
+    times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(rounds):
-        for name, step in steps.items():
-            times[name].append(_cpu_time(step))
+        for name in built:
+            times[name].append(_timed(built, name))
     return times
 
 
