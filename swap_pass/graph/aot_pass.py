@@ -332,7 +332,9 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     """
     config = config or SwapConfig()
     user_outputs, saved = _saved(fw, num_fwd_outputs)
-    candidates = [(n, nb) for n in saved if isinstance(n, fx.Node)
+    in_order = dict.fromkeys(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
+    # graph order, not set order: ties in the choice then break the same way in every process
+    candidates = [(n, nb) for n in in_order if isinstance(n, fx.Node)
                   and (nb := _swappable_bytes(n, saved, user_outputs, config))]
     device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
     if device is None:
