@@ -4,7 +4,9 @@ Rows: budget mode without checkpointing vs the same compile without swap, and la
 with checkpointing vs the same compile without swap. Peak: one profiled step after a warm-up step
 (torch.profiler memory events on CPU, max_memory_allocated on an accelerator); the warm-up fills
 the host pool, so the profiled step allocates no host buffer (checked). Gradients are compared
-bitwise.
+bitwise, with torch.use_deterministic_algorithms(True) (``--no-deterministic`` turns it off):
+without it Inductor's CPU code for the embedding's backward adds into the weight gradient with
+atomic adds from several threads, so even the compile without swap differs from run to run.
 
 Usage: python scripts/graph_peak.py [--layers 4 --hidden 64 --batch 8 --seq 512 --inner inductor
                                      --budget 0.5 --rows budget,layer_input]
@@ -62,7 +64,10 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", default="budget,layer_input", help="budget, layer_input or both")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.use_deterministic_algorithms while compiling and running")
     args = p.parse_args()
+    torch.use_deterministic_algorithms(args.deterministic)
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

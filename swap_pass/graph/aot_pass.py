@@ -11,7 +11,8 @@ Forward graph, for the saved input ``x_i`` of every layer but the last::
 
 Backward graph (layers run last to first)::
 
-    d_i = swap_pass.prefetch(h_i, dev, ...)      # before layer i+1's first backward node
+    y   = ...                                    # the last matmul before layer i+1's backward
+    d_i = swap_pass.prefetch(h_i, dev, ..., y)   # here, and not before y (see _pin_after_compute)
     ...                                          # layer i+1's backward
     d_i = swap_pass.wait(d_i, h_i)               # before the first reader of x_i
     ...                                          # layer i's backward (recompute included) reads d_i
@@ -149,9 +150,10 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 
 def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """The last matmul-class result computed before ``node``: what its wait must come after.
+    """The last matmul-class result computed before ``node``: what a wait or prefetch there must
+    come after.
 
-    Note: [Which tensor a wait depends on]
+    Note: [Which tensor a wait or prefetch depends on]
     A matmul's result is an extern kernel's output that every compiler materialises anyway, so
     depending on it pins the wait without changing what Inductor fuses (depending on a pointwise
     intermediate would force it into memory and can change rounding, e.g. FMA contraction).
@@ -216,8 +218,22 @@ def _restore_node(graph: fx.Graph, ph: fx.Node, val: torch.Tensor, first: fx.Nod
         return node
     with graph.inserting_before(start):
         dev = graph.call_function(_OPS.prefetch.default, args)
+    _pin_after_compute(dev, args)
     _set_val(dev, val)
     return _insert_wait(graph, dev, ph, first, after=False)
+
+
+def _pin_after_compute(prefetch: fx.Node, args: tuple) -> None:
+    """Make ``prefetch`` depend on the matmul computed before it, so that it cannot start early.
+
+    Without it a prefetch depends only on a graph input, and Inductor's peak-memory reordering
+    is free to hoist every prefetch to the top of the backward: every swapped tensor would then
+    be back on the device during the backward of the last layers (which runs first and is where
+    a checkpointed step peaks).
+    """
+    dep = _last_tensor_before(prefetch.graph, prefetch)
+    if dep is not None:
+        prefetch.args = (*args, dep)
 
 
 def _prefetch_start(p: _Planned, first: fx.Node, bw_layers: dict, index: dict) -> fx.Node:
@@ -316,7 +332,9 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     """
     config = config or SwapConfig()
     user_outputs, saved = _saved(fw, num_fwd_outputs)
-    candidates = [(n, nb) for n in saved if isinstance(n, fx.Node)
+    in_order = dict.fromkeys(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
+    # graph order, not set order: ties in the choice then break the same way in every process
+    candidates = [(n, nb) for n in in_order if isinstance(n, fx.Node)
                   and (nb := _swappable_bytes(n, saved, user_outputs, config))]
     device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
     if device is None:

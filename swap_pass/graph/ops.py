@@ -8,8 +8,9 @@ Forward graph (one saved layer input ``x``)::
 
 Backward graph::
 
-    dev = swap_pass.prefetch(host, device, size, stride)   # one layer ahead: start H2D (h2d stream)
-    ...                                                    # the layer after it runs backward
+    y = ...                                # computed right before the planned start
+    dev = swap_pass.prefetch(host, device, size, stride, after=y)  # one layer ahead: start H2D
+    ...                                    # the layer after it runs backward
     dev = swap_pass.wait(dev, host)        # before the first reader: wait, release host buffer
 
 ``swap_in`` is ``prefetch`` and ``wait`` in one, for graphs built without prefetch.
@@ -35,7 +36,7 @@ import threading
 import weakref
 # The ops' signatures say List[int]: some torch releases' custom_op schema inference (2.6)
 # read typing.List[int] but not list[int].
-from typing import List  # noqa: UP035
+from typing import List, Optional  # noqa: UP035
 
 import torch
 from torch.fx.node import has_side_effect
@@ -239,18 +240,20 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
 
 @torch.library.custom_op("swap_pass::prefetch", mutates_args=())
 def prefetch(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
-             use_streams: bool = True) -> torch.Tensor:
+             use_streams: bool = True, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Start copying ``host`` back to ``device`` on the host-to-device stream.
 
     The destination is allocated on the compute stream with the original ``size`` and
     ``stride`` (both empty: contiguous with ``host``'s shape, which keeps symbolic sizes out of
     the op's arguments). Pair with ``wait(out, keepalive=host)`` before the first reader.
+    ``after`` is a tensor computed at the prefetch's planned position, so that no scheduler
+    starts the copy (and allocates its destination) before that compute; the op ignores it.
     """
     return _start_h2d(host, device, size, stride, use_streams)
 
 
 @prefetch.register_fake
-def _(host, device, size, stride, use_streams=True):
+def _(host, device, size, stride, use_streams=True, after=None):
     return _empty_like_original(host, device, size, stride)
 
 

@@ -49,4 +49,6 @@ def test_compiled_forward_peak_drops_by_l_minus_2_layer_inputs():
     assert swap_pass.swap_stats().swap_outs >= L - 1
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # see Note: [Inductor tolerance]
+        # not bitwise: an embedding's backward on the GPU adds rows with atomic adds, whose order
+        # changes from run to run even without swap
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

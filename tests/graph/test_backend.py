@@ -9,16 +9,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import swap_pass
 from swap_pass import SwapConfig, make_swap_backend
 from swap_pass.graph.boundaries import find_layers
+from swap_pass.graph.budget import CostModel
 
 from .helpers import assert_grads_equal, batch, hf_llama_tiny, tiny_model, twin
 
 L = 3
 OPS = torch.ops.swap_pass
-# Note: [Inductor tolerance]
-# The swap nodes are extern kernels that Inductor cannot fuse across, so the kernels around a
-# layer boundary may be fused (and their reductions ordered) differently from the same compile
-# without swap. Observed here: bitwise equal; asserted: within this float32 tolerance.
-INDUCTOR_TOL = dict(rtol=1e-5, atol=1e-6)
+FAST = CostModel(copy_bytes_per_s=1e12, flops_per_s=1e12)  # every copy hides: choice by bytes
 
 
 def _targets(gm):
@@ -153,7 +150,7 @@ def test_changing_sequence_length():
 
 
 @pytest.mark.slow
-def test_inductor_checkpointed_within_tolerance():
+def test_inductor_checkpointed_bitwise_equal_to_inductor_without_swap(deterministic):
     model = tiny_model(L, recompute=True)
     ref = twin(model)
     backend = make_swap_backend()  # inductor
@@ -163,35 +160,57 @@ def test_inductor_checkpointed_within_tolerance():
     fw, bw = backend.partitions[-1].forward, backend.partitions[-1].backward
     assert _targets(fw).count(OPS.swap_out.default) == L - 1
     assert _targets(bw).count(OPS.prefetch.default) == L - 1
-    torch.testing.assert_close(losses[0], ref_losses[0], **INDUCTOR_TOL)
-    for a, b in zip(grads[0], ref_grads[0]):
-        torch.testing.assert_close(a, b, **INDUCTOR_TOL)
+    assert torch.equal(losses[0], ref_losses[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0]))
     assert swap_pass.swap_stats().swap_outs == L - 1
 
 
-@pytest.mark.slow
-def test_hf_llama_tiny_trains_three_steps_like_inductor():
-    def run(backend):
-        model = hf_llama_tiny(num_layers=L)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
-        losses = []
-        for step in range(3):
-            ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(step))
-            loss = compiled(input_ids=ids, labels=ids).loss
-            loss.backward()
+def _hf_llama_step(backend, checkpoint: bool, steps: int = 1):
+    """Losses and the last step's named gradients of HF Llama (tiny, random weights) trained
+    with SGD under ``torch.compile(backend=...)``."""
+    model = hf_llama_tiny(num_layers=L)
+    model.config.use_cache = False  # with checkpointing, HF would log that it turns the cache off
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.train(), backend=backend, fullgraph=True)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        if step < steps - 1:
             opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return losses
+    return losses, {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    swap = make_swap_backend()
-    losses, ref_losses = run(swap), run("inductor")
-    assert [s.layer for s in swap.partitions[-1].swapped] == [f"model.layers.{i}" for i in range(L - 1)]
-    assert swap_pass.swap_stats().swap_outs == 3 * (L - 1)
-    for a, b in zip(losses, ref_losses):
-        torch.testing.assert_close(a, b, **INDUCTOR_TOL)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [
+    "layer_input_checkpointed",
+    pytest.param("budget", marks=pytest.mark.xfail(
+        strict=False, reason="budget mode under Inductor: on this tiny config the weight "
+        "gradients of layer 0's attention and input norm differ in the last bits (see "
+        "docs/graph.md, Known limits)")),
+])
+def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, deterministic):
+    """HF Llama under Inductor, two steps: layer inputs with checkpointing, and budget mode
+    without; every loss and every gradient is bitwise equal to the same compile without swap."""
+    checkpoint = mode != "budget"
+    backend = (make_swap_backend() if checkpoint else
+               make_swap_backend(memory_budget=0.5, cost_model=FAST))
+    swap_pass.reset()
+    losses, grads = _hf_llama_step(backend, checkpoint, steps=2)
+    ref_losses, ref_grads = _hf_llama_step("inductor", checkpoint, steps=2)
+    swapped = backend.partitions[-1].swapped
+    if checkpoint:
+        assert [s.layer for s in swapped] == [f"model.layers.{i}" for i in range(L - 1)]
+    assert swapped and swap_pass.swap_stats().swap_outs == 2 * len(swapped)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    differ = [name for name in grads if not torch.equal(grads[name], ref_grads[name])]
+    assert not differ, differ
 
 
 def test_unknown_inner_is_an_error():

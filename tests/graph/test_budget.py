@@ -110,17 +110,33 @@ def test_every_wait_depends_on_the_matmul_computed_before_it():
 
 _KERNEL = re.compile(r"^(?:\w+ = )?(?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.)")
 _WAIT = re.compile(r"^(\w+) = torch\.ops\.swap_pass\.wait\.default\((\w+), \w+, (.*)\)$")
+_PREFETCH = re.compile(r"^(\w+) = torch\.ops\.swap_pass\.prefetch\.default\(.*?(?:True|False)(.*)\)$")
 
 
 def _body(code: str) -> list[str]:
     return [line.strip() for line in code[code.index("def call("):].splitlines()]
 
 
+def _assert_prefetches_behind_their_compute(lines: list[str]) -> None:
+    """Each prefetch but the first carries the matmul it must follow, comes after the kernel
+    that computes it, and kernels run between consecutive prefetches (none of them
+    is hoisted to the top of the backward, where it would hold its tensor for the whole pass)."""
+    starts = [(i, _PREFETCH.match(ln)) for i, ln in enumerate(lines) if _PREFETCH.match(ln)]
+    assert len(starts) == 3
+    for (i, _), (j, m) in zip(starts, starts[1:]):
+        after = re.search(r"\bbuf\d+\b", m.group(2))
+        assert after is not None, lines[j]
+        assert any(re.search(rf"\b{after.group(0)}\b", ln) for ln in lines[i + 1:j]
+                   if _KERNEL.match(ln)), lines[i:j + 1]
+        assert any(_KERNEL.match(ln) and "swap_pass" not in ln for ln in lines[i + 1:j])
+
+
 @pytest.mark.slow
 def test_inductor_output_code_keeps_every_wait_behind_its_compute():
     """4 checkpointed layers under Inductor: in the backward's output code each wait comes after
     a kernel, run after its prefetch, that reads or writes its ``after`` tensor (the compute the
-    H2D copy hides behind), and at least one kernel runs between each prefetch and its wait."""
+    H2D copy hides behind), at least one kernel runs between each prefetch and its wait, and
+    the prefetches stay one layer apart instead of all starting at the top."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_model(4, recompute=True)
@@ -133,6 +149,7 @@ def test_inductor_output_code_keeps_every_wait_behind_its_compute():
                  if re.fullmatch(r"buf\d+ = buf\d+", ln))
     waits = [(i, _WAIT.match(ln)) for i, ln in enumerate(lines) if _WAIT.match(ln)]
     assert len(waits) == 3
+    _assert_prefetches_behind_their_compute(lines)
     for i, m in waits:
         dev, after = alias.get(m.group(2), m.group(2)), re.search(r"\bbuf\d+\b", m.group(3))
         assert after is not None, lines[i]  # the wait carries its dependency
@@ -177,11 +194,58 @@ def _step_peak(model, backend, seq):
     return peak
 
 
+def _hf_llama_step_peak(backend, layers: int, checkpoint: bool):
+    """Whole-step peak and gradients of HF Llama (hidden 64, batch 8, sequence 512: each layer
+    input is 1 MiB, four times one layer's parameter gradients) under ``torch.compile``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=512, use_cache=False)
+    model = LlamaForCausalLM(cfg).train()
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (8, 512), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step():
+        compiled(input_ids=ids, labels=ids).loss.backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    allocations = swap_pass.swap_stats().host_allocations
+    peak = profile_step(torch.device("cpu"), step).peak_bytes
+    assert swap_pass.swap_stats().host_allocations == allocations
+    return peak, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_whole_step_peak_of_hf_llama_under_inductor_falls_by_l_minus_2_layer_inputs(deterministic):
+    """HF Llama, 4 checkpointed layers, Inductor: the profiled peak of a whole training step is
+    at least L-2 layer inputs lower with swap than the same compile without it, and gradients
+    are bitwise equal. Each prefetch stays behind the compute before its planned position:
+    hoisted to the top of the backward (Inductor's peak-memory reordering is free to move a node
+    that depends only on a graph input), all of them would be on the device at the peak."""
+    layers = 4
+    backend = make_swap_backend()
+    swap_pass.reset()
+    peak, grads = _hf_llama_step_peak(backend, layers, checkpoint=True)
+    ref_peak, ref_grads = _hf_llama_step_peak("inductor", layers, checkpoint=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    x_bytes = backend.partitions[-1].swapped[0].nbytes
+    assert len(backend.partitions[-1].swapped) == layers - 1
+    assert ref_peak - peak >= (layers - 2) * x_bytes, (peak, ref_peak, x_bytes)
+
+
 @pytest.mark.parametrize("mode", ["layer_input_checkpointed", "budget"])
 def test_whole_step_peak_falls_with_swap(mode):
     """The profiled peak of a whole training step (forward and backward) is lower with swap than
     the same compile without it, and gradients are bitwise equal. Layer inputs: 6 checkpointed
-    layers; budget mode: 3 plain layers at half the predicted peak."""
+    layers; budget mode: 3 plain layers at half the predicted peak. Each layer's parameter
+    gradients here are as large as its input, so the layer-input cut stays under L-2 inputs
+    (see docs/graph.md, "What it saves")."""
     layers, recompute, seq = (6, True, 64) if mode != "budget" else (3, False, 32)
     model = tiny_model(layers, recompute=recompute)
     ref = twin(model)
