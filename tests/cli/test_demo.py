@@ -53,8 +53,8 @@ def test_demo_command_prints_the_table(capsys):
 
 @pytest.mark.slow
 def test_default_demo_as_the_readme_runs_it():
-    # Its time is measured, not asserted (docs/results.md: 8.0 s on this 2-core box); a test
-    # run of 168 s under load once failed a 60 s assertion here. The timeout only catches hangs.
+    # Its time is measured by `time swap-pass demo` (docs/results.md), not asserted: a loaded
+    # machine once took 168 s and failed a 60 s assertion here. The timeout only catches hangs.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "swap_pass", "demo"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280)
