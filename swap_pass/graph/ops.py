@@ -178,7 +178,19 @@ def _nbytes(t: torch.Tensor) -> int:
 # --- swap_out ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("swap_pass::swap_out", mutates_args=())
+# Note: [swap_out's input layout]
+# Without swap, a saved tensor is an output of the forward graph, and Inductor gives an output its
+# traced stride order as soon as it lowers the node that makes it; a later reader that needs
+# those strides (SDPA: exactly the traced ones) then reads that buffer. With swap, the saved tensor
+# feeds ``swap_out`` instead, an extern kernel lowered right after its producer: without a layout
+# constraint (a custom pass inserted it, so Inductor ignores the default ``needs_exact_strides``)
+# it freezes the producer's still flexible layout to contiguous, and a reader that needs the
+# traced strides gets a second, transposed buffer from the same kernel. That kernel's loops then
+# run in another order and vectorize differently (Sleef sin/cos instead of std::sin/std::cos for
+# a RoPE'd query), which changes the saved value in the last bits. ``needs_fixed_stride_order``
+# makes Inductor give the input its traced stride order, as for a graph output.
+@torch.library.custom_op("swap_pass::swap_out", mutates_args=(),
+                         tags=(torch.Tag.needs_fixed_stride_order,))
 def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
     """Start copying ``x`` to a pooled host buffer on the device-to-host stream.
 

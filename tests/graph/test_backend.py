@@ -190,10 +190,7 @@ def _hf_llama_step(backend, checkpoint: bool, steps: int = 1):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     "layer_input_checkpointed",
-    pytest.param("budget", marks=pytest.mark.xfail(
-        strict=False, reason="budget mode under Inductor: on this tiny config the weight "
-        "gradients of layer 0's attention and input norm differ in the last bits (see "
-        "docs/graph.md, Known limits)")),
+    "budget",
 ])
 def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, deterministic):
     """HF Llama under Inductor, two steps: layer inputs with checkpointing, and budget mode
