@@ -205,12 +205,13 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
     return report
 
 
-def host_cost_rows(layers: int = 16, rounds: int = 30) -> dict:
+def host_cost_rows(layers: int = 16, rounds: int = 20, warmup: int = 3) -> dict:
     """Host CPU time per layer per step of each way in (:mod:`swap_pass.bench.host_cost`).
 
     Args:
         layers: Tiny checkpointed layers of the model. Default: ``16``.
-        rounds: Paired rounds the medians are taken over. Default: ``30``.
+        rounds: Paired rounds the medians are taken over. Default: ``20``.
+        warmup: Steps of each method before the rounds. Default: ``3``.
     """
     from swap_pass.bench.host_cost import host_us_per_layer
 
@@ -219,7 +220,7 @@ def host_cost_rows(layers: int = 16, rounds: int = 30) -> dict:
         # measures host time, not memory.
         warnings.filterwarnings("ignore", message=r"swap_pass\.SmartSwap: memory_budget",
                                 category=RuntimeWarning)
-        rows = host_us_per_layer(layers=layers, rounds=rounds)
+        rows = host_us_per_layer(layers=layers, rounds=rounds, warmup=warmup)
     return {"status": "ok", "layers": layers, "rounds": rounds, "rows": rows}
 
 
