@@ -19,41 +19,14 @@ import time
 
 import torch
 
-import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.bench.measure import profile_step
-
-
-def _model(args, checkpoint: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=args.seq, use_cache=False)
-    model = LlamaForCausalLM(cfg).to(args.device)
-    if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
+from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
 
 
 def _run(args, backend, checkpoint: bool):
-    model = _model(args, checkpoint)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(0)).to(args.device)
-    torch._dynamo.reset()
-    swap_pass.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-
-    def step():
-        compiled(input_ids=ids, labels=ids).loss.backward()
-
-    step()
-    model.zero_grad(set_to_none=True)
-    allocations = swap_pass.swap_stats().host_allocations
-    peak = profile_step(torch.device(args.device), step).peak_bytes
-    assert swap_pass.swap_stats().host_allocations == allocations, "host pool allocated in the step"
-    return peak, [p.grad.clone() for p in model.parameters()]
+    return hf_llama_step_peak(backend, checkpoint=checkpoint, layers=args.layers,
+                              hidden=args.hidden, batch=args.batch, seq=args.seq,
+                              vocab=args.vocab, device=args.device)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["CopyRate", "StepProfile", "anchor_bandwidth", "intra_op_threads", "profile_step",
-           "quiet_profiler", "synchronize"]
+           "quiet_profiler", "synchronize", "warm_step_peak"]
 
 FORWARD_RANGE = "bench::forward"
 BACKWARD_RANGE = "bench::backward"
@@ -235,6 +235,31 @@ def profile_step(device: torch.device, step: Callable[[], None]) -> StepProfile:
         peak = torch.accelerator.max_memory_allocated(device) - start
         source = "torch.accelerator.max_memory_allocated above step start"
     return StepProfile(peak, source, times, values, d2h, h2d)
+
+
+def warm_step_peak(device: torch.device, step: Callable[[], None],
+                   zero_grad: Callable[[], None]) -> int:
+    """Peak bytes of one profiled ``step`` (:func:`profile_step`) after a warm-up run of it.
+
+    The warm-up fills swap_pass's host pool (and compiles, for a compiled step), so the profiled
+    step allocates no host buffer and its peak is the device side's; ``zero_grad`` runs between
+    the two so that the warm-up's gradients are not counted.
+
+    Raises:
+        RuntimeError: the profiled step allocated a host buffer after all.
+    """
+    from swap_pass.runtime import swap_stats
+
+    step()
+    zero_grad()
+    allocations = swap_stats().host_allocations
+    peak = profile_step(device, step).peak_bytes
+    if swap_stats().host_allocations != allocations:
+        raise RuntimeError(
+            "swap_pass.bench.warm_step_peak: the profiled step allocated host buffers after a "
+            "warm-up step; its peak would count them. The step must swap the same tensors each time."
+        )
+    return peak
 
 
 def _seconds(copy_all: Callable[[], None], device: torch.device) -> float:

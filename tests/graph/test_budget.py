@@ -10,7 +10,8 @@ import torch
 
 import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.bench.measure import profile_step
+from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
+from swap_pass.bench.measure import warm_step_peak
 from swap_pass.graph.budget import CostModel
 
 from .helpers import batch, tiny_model, twin
@@ -184,41 +185,11 @@ def test_gpt2_under_inductor_warns_in_layer_input_mode_and_swaps_in_budget_mode(
 
 
 def _step_peak(model, backend, seq):
-    """Peak bytes of one profiled step after a warm-up step; the warm-up fills the host pool, so
-    the profiled step allocates no host buffer (checked) and its peak is the device side's."""
-    compiled = _compile_and_step(model, backend, seq)
-    model.zero_grad(set_to_none=True)
-    allocations = swap_pass.swap_stats().host_allocations
-    peak = profile_step(torch.device("cpu"), lambda: _step(compiled, model, seq)).peak_bytes
-    assert swap_pass.swap_stats().host_allocations == allocations
-    return peak
-
-
-def _hf_llama_step_peak(backend, layers: int, checkpoint: bool):
-    """Whole-step peak and gradients of HF Llama (hidden 64, batch 8, sequence 512: each layer
-    input is 1 MiB, four times one layer's parameter gradients) under ``torch.compile``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=512, use_cache=False)
-    model = LlamaForCausalLM(cfg).train()
-    if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(0, 128, (8, 512), generator=torch.Generator().manual_seed(0))
+    """Peak bytes of one profiled step after a warm-up step (see ``warm_step_peak``)."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-
-    def step():
-        compiled(input_ids=ids, labels=ids).loss.backward()
-
-    step()
-    model.zero_grad(set_to_none=True)
-    allocations = swap_pass.swap_stats().host_allocations
-    peak = profile_step(torch.device("cpu"), step).peak_bytes
-    assert swap_pass.swap_stats().host_allocations == allocations
-    return peak, [p.grad for p in model.parameters()]
+    return warm_step_peak(torch.device("cpu"), lambda: _step(compiled, model, seq),
+                          lambda: model.zero_grad(set_to_none=True))
 
 
 @pytest.mark.slow
@@ -230,9 +201,8 @@ def test_whole_step_peak_of_hf_llama_under_inductor_falls_by_l_minus_2_layer_inp
     that depends only on a graph input), all of them would be on the device at the peak."""
     layers = 4
     backend = make_swap_backend()
-    swap_pass.reset()
-    peak, grads = _hf_llama_step_peak(backend, layers, checkpoint=True)
-    ref_peak, ref_grads = _hf_llama_step_peak("inductor", layers, checkpoint=True)
+    peak, grads = hf_llama_step_peak(backend, layers=layers, checkpoint=True)
+    ref_peak, ref_grads = hf_llama_step_peak("inductor", layers=layers, checkpoint=True)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     x_bytes = backend.partitions[-1].swapped[0].nbytes
     assert len(backend.partitions[-1].swapped) == layers - 1
