@@ -26,12 +26,14 @@ def _swap_pass_calls_per_layer(layers: int) -> float:
         if event == "call" and "swap_pass" in frame.f_code.co_filename:
             calls += 1
 
+    swaps = swap_pass.swap_stats().swap_outs
     sys.setprofile(count)
     try:
         model(x).backward()
     finally:
         sys.setprofile(None)
         handle.remove()
+    assert swap_pass.swap_stats().swap_outs - swaps == layers - 1  # every layer but the last
     return calls / layers
 
 
