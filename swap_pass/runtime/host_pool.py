@@ -157,6 +157,8 @@ class HostBufferPool:
     def drain_deferred(self) -> None:
         """Apply what :meth:`release_deferred` and :meth:`forget` queued, and give back the
         buffers of :meth:`release_when_unread` that nothing else holds any more."""
+        if not self._deferred and not self._unread:  # the common case, on every pool call
+            return
         for _ in range(len(self._unread)):
             try:
                 buf, event = self._unread.popleft()

@@ -134,9 +134,12 @@ def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
     for t in tensors:
         if t.numel() == 0:
             continue
-        size = t.element_size()
-        last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        start, end = t.storage_offset() * size, (last + 1) * size
+        size, offset = t.element_size(), t.storage_offset()
+        if t.is_contiguous():  # the common case, and the same span as the general formula
+            last = offset + t.numel() - 1
+        else:
+            last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        start, end = offset * size, (last + 1) * size
         lo, hi = (start if lo is None else min(lo, start)), max(hi, end)
     return (0, 0) if lo is None else (lo, hi)
 

@@ -52,36 +52,42 @@ class SwapStats:
 
 
 _lock = threading.Lock()
-_stats = SwapStats()
+# The counters live in a plain dict: record() runs a few times per swapped layer per step, and
+# a dict update is several times cheaper than getattr/setattr on the dataclass.
+_FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats))
+_counts: dict[str, int] = dict.fromkeys(_FIELDS, 0)
 _PEAKS = {"host_bytes_in_use": "peak_host_bytes_in_use",
           "device_bytes_released": "peak_device_bytes_released"}
 
 
 def record(**deltas: int) -> None:
-    """Add ``deltas`` to the named counters, keeping the peaks up to date."""
+    """Add ``deltas`` to the named counters, keeping the peaks up to date.
+
+    Raises:
+        KeyError: A name is not a :class:`SwapStats` field.
+    """
     with _lock:
+        counts = _counts
         for name, delta in deltas.items():
-            value = getattr(_stats, name) + delta
-            setattr(_stats, name, value)
+            value = counts[name] + delta
+            counts[name] = value
             peak = _PEAKS.get(name)
-            if peak is not None and value > getattr(_stats, peak):
-                setattr(_stats, peak, value)
+            if peak is not None and value > counts[peak]:
+                counts[peak] = value
 
 
 def snapshot() -> SwapStats:
     """Return a copy of the counters."""
     with _lock:
-        return dataclasses.replace(_stats)
+        return SwapStats(**_counts)
 
 
 def clear(*, keep_gauges: bool = False) -> None:
     """Zero the counters; with ``keep_gauges`` the current in-use figures stay and peaks restart."""
-    global _stats
     with _lock:
-        fresh = SwapStats()
+        kept = {}
         if keep_gauges:
             for gauge, peak in _PEAKS.items():
-                setattr(fresh, gauge, getattr(_stats, gauge))
-                setattr(fresh, peak, getattr(_stats, gauge))
-            fresh.host_bytes_reserved = _stats.host_bytes_reserved
-        _stats = fresh
+                kept[gauge] = kept[peak] = _counts[gauge]
+            kept["host_bytes_reserved"] = _counts["host_bytes_reserved"]
+        _counts.update(dict.fromkeys(_FIELDS, 0), **kept)

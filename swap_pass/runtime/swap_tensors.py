@@ -81,16 +81,17 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
     (already freed, or zero bytes), meta and sparse tensors. Otherwise ``custom_check_fn(tensor)``
     decides when given.
     """
-    if not isinstance(tensor, torch.Tensor) or _is_parameter_or_view_of_one(tensor):
+    # type() first: it also rules out non-tensors, Parameters and subclasses (a guarded tensor)
+    if type(tensor) is not torch.Tensor or _is_parameter_or_view_of_one(tensor):
         return False
-    if tensor.is_meta or tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
+    if tensor.is_meta or tensor.layout != torch.strided:
         return False
     if tensor.untyped_storage().nbytes() == 0:
         return False
     return True if custom_check_fn is None else bool(custom_check_fn(tensor))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _StorageEntry:
     """One distinct storage of the group and what it needs to be restored."""
 
@@ -104,17 +105,23 @@ class _StorageEntry:
 
     def device_bytes(self) -> torch.Tensor:
         """The bytes of the storage that go to the host and come back."""
-        view = _bytes_view(self.storage)
-        return view if self.span is None else view[self.span[0]:self.span[1]]
+        if self.span is None:
+            return _bytes_view(self.storage)
+        lo, hi = self.span
+        return _bytes_view(self.storage, lo, hi - lo)
 
     @property
     def host_nbytes(self) -> int:
         return self.nbytes if self.span is None else self.span[1] - self.span[0]
 
 
-def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over the whole of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+def _bytes_view(storage: torch.UntypedStorage, offset: int = 0,
+                nbytes: int | None = None) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` bytes of ``storage`` from ``offset`` (default: all)."""
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    if nbytes is None:
+        return view.set_(storage)
+    return view.set_(storage, offset, (nbytes,), (1,))
 
 
 def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
@@ -170,6 +177,7 @@ class SwapTensors:
         self.name = name
         self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
+        self._measure()
         self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self.stat = SwapState.DEVICE
@@ -183,12 +191,17 @@ class SwapTensors:
     @property
     def nbytes(self) -> int:
         """Bytes of all distinct storages in the group."""
-        return sum(e.nbytes for e in self._entries)
+        return self._nbytes
 
     @property
     def host_nbytes(self) -> int:
         """Bytes copied to the host: whole storages, or their spans under ``copy_span``."""
-        return sum(e.host_nbytes for e in self._entries)
+        return self._host_nbytes
+
+    def _measure(self) -> None:
+        """Sum the entries' sizes (read at every transition; the entries change rarely)."""
+        self._nbytes = sum(e.nbytes for e in self._entries)
+        self._host_nbytes = sum(e.host_nbytes for e in self._entries)
 
     @property
     def is_empty(self) -> bool:
@@ -289,6 +302,7 @@ class SwapTensors:
             self._release_host_buffers()
         self._leave_registry()
         self._entries = []
+        self._measure()
         self.tensors = []
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
@@ -329,6 +343,8 @@ class SwapTensors:
             raise SwapStateError(api, self.stat.value, state.value, self.name)
 
     def _common_device(self) -> torch.device | None:
+        if len(self._entries) == 1:  # the common case: one layer input
+            return self._entries[0].storage.device
         devices = {e.storage.device for e in self._entries}
         if len(devices) > 1:
             raise ValueError(
@@ -384,6 +400,7 @@ class SwapTensors:
                 if e.host is not None:
                     host_pool().release(e.host, self._event)  # our copy may still write it
                 del self._entries[idx]
+                self._measure()
                 self.tensors = [t for t in self.tensors if all(t is not u for u in e.tensors)]
                 return
 
