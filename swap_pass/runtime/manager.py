@@ -21,7 +21,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -67,6 +67,22 @@ def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
     return SwapLayerInputManager(token.name, custom_check_fn, prefetch, config)
 
 
+class _Place(NamedTuple):
+    """A manager's place in ``manager_map`` as of ``version`` (see ``_map_version``)."""
+
+    version: int
+    registered: bool
+    previous: SwapLayerInputManager | None
+    next: SwapLayerInputManager | None
+    is_last: bool
+    name: str
+
+
+def _map_changed() -> None:
+    """Invalidate every manager's cached place (call with ``_map_lock`` held)."""
+    SwapLayerInputManager._map_version += 1
+
+
 class SwapLayerInputManager:
     """Swap bookkeeping of one layer instance, registered under ``module_tag``.
 
@@ -90,6 +106,9 @@ class SwapLayerInputManager:
     # Per tag, the managers that started a device-to-host copy not yet known to be over, so that
     # finding earlier layers' copies at every layer call does not walk every earlier manager.
     _copying: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
+    # Bumped at every change of manager_map, so that each manager can keep its place in it
+    # (read several times per layer call) until the next change; see _place().
+    _map_version: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -106,10 +125,12 @@ class SwapLayerInputManager:
         self.prefetch_enabled = prefetch and self.config.prefetch
         self.batch_stack: list[SwapTensors] = []
         self._preflighted: set[int] = set()
+        self._place_cache: _Place | None = None
         with self._map_lock:
             layers = self.manager_map.setdefault(module_tag, [])
             self.layer_idx = len(layers)
             layers.append(self)
+            _map_changed()
 
     def __repr__(self) -> str:
         return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, layer_idx={self.layer_idx}, "
@@ -136,26 +157,41 @@ class SwapLayerInputManager:
     @property
     def is_last_layer(self) -> bool:
         """True for the last layer of the tag, whose input is never swapped."""
-        return self.layer_idx == self.num_layers - 1
+        return self._place().is_last
 
     @property
     def previous(self) -> SwapLayerInputManager | None:
         """The manager of the layer before this one, if any (None once unregistered)."""
-        return self._neighbour(-1)
+        return self._place().previous
 
     @property
     def next(self) -> SwapLayerInputManager | None:
         """The manager of the layer after this one, if any (None once unregistered)."""
-        return self._neighbour(1)
-
-    def _neighbour(self, step: int) -> SwapLayerInputManager | None:
-        layers = self.manager_map.get(self.module_tag, [])
-        idx = self.layer_idx + step
-        return layers[idx] if self._registered() and 0 <= idx < len(layers) else None
+        return self._place().next
 
     def _registered(self) -> bool:
+        return self._place().registered
+
+    def _place(self) -> _Place:
+        """Where this manager stands in ``manager_map``, recomputed only after it changed."""
+        place = self._place_cache
+        if place is None or place.version != SwapLayerInputManager._map_version:
+            place = self._place_cache = self._locate()
+        return place
+
+    def _locate(self) -> _Place:
+        version = SwapLayerInputManager._map_version  # read first: a change meanwhile re-runs us
         layers = self.manager_map.get(self.module_tag, ())
-        return self.layer_idx < len(layers) and layers[self.layer_idx] is self
+        idx = self.layer_idx
+        registered = idx < len(layers) and layers[idx] is self
+        return _Place(
+            version=version,
+            registered=registered,
+            previous=layers[idx - 1] if registered and idx > 0 else None,
+            next=layers[idx + 1] if registered and idx + 1 < len(layers) else None,
+            is_last=idx == len(layers) - 1,
+            name=f"{self.module_tag}.layers[{idx}]",
+        )
 
     def ensure_registered(self) -> None:
         """Called at each layer call: after :func:`swap_pass.reset`, register again.
@@ -176,6 +212,7 @@ class SwapLayerInputManager:
                 if manager not in layers:
                     manager.layer_idx = len(layers)
                     layers.append(manager)
+            _map_changed()
 
     def unregister(self) -> None:
         """Drop this manager from ``manager_map`` (restoring its groups) and renumber the rest."""
@@ -190,13 +227,14 @@ class SwapLayerInputManager:
                 manager.layer_idx = idx
             if not layers:
                 self.manager_map.pop(self.module_tag, None)
+            _map_changed()
 
     # --- forward side -------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
         """The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``."""
-        return f"{self.module_tag}.layers[{self.layer_idx}]"
+        return self._place().name
 
     def claim(self, tensors: Iterable[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
         """The layer inputs that may leave the device, decided at the layer's entry.
@@ -237,13 +275,15 @@ class SwapLayerInputManager:
             return []
         found, still = [], []
         for manager in copying:
-            groups = [g for g in manager.batch_stack if g.stat == SwapState.D2H]
+            groups = [g for g in manager.batch_stack if g.stat is SwapState.D2H]
             if groups:  # unregister() and reset_all() drop managers from the index
                 still.append(manager)
                 if manager.layer_idx < self.layer_idx:
                     found.append((manager, groups))
-        copying[:] = still
-        found.sort(key=lambda entry: -entry[0].layer_idx)
+        if len(still) != len(copying):
+            copying[:] = still
+        if len(found) > 1:
+            found.sort(key=lambda entry: -entry[0].layer_idx)
         return [(manager, g) for manager, groups in found for g in groups]
 
     def preflight_for(self, group_nbytes: int) -> None:
@@ -336,3 +376,4 @@ class SwapLayerInputManager:
                 cls._retired[tag] = [weakref.ref(m) for m in layers]
             cls.manager_map.clear()
             cls._copying.clear()
+            _map_changed()
