@@ -54,17 +54,21 @@ Note: [Grad mode at layer entry]
 Note: [Group lifetime]
     Each guard holds its group in its closure (pairing each backward with its own forward under
     gradient accumulation, partial backward and pipeline schedules); ``batch_stack`` stays the
-    FIFO the prefetch walks. A ``weakref.finalize`` on the guard, which lives in the autograd
-    graph, discards the group when the graph is freed without a backward (eval with grad,
-    dropped loss), so no entry or host byte outlives its graph. Once the guard has restored
-    its group it lets go of it (and detaches the finalizer): the guard itself lives until the
-    loss is dropped, and holding the group would keep every restored input alive to the end
-    of backward (tests/eager/test_backward_release.py).
+    FIFO the prefetch walks. The guard lives in the autograd graph; its ``__del__`` discards
+    the group when the graph is freed without a backward (eval with grad, dropped loss), so no
+    entry or host byte outlives its graph. (A ``__del__`` costs nothing until it runs; a
+    ``weakref.finalize`` per layer call cost more than the restore it guards.) Once the guard
+    has restored its group it lets go of it: the guard itself lives until the loss is dropped,
+    and holding the group would keep every restored input alive to the end of backward
+    (tests/eager/test_backward_release.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -101,10 +105,15 @@ class BackwardGuard:
         self.group = group
         self.fired = False
         self._previous = _link(group) if group is not None else _weak(previous)
-        self._finalizer = None
         if group is not None:
             setattr(group, _GUARDED_ATTR, True)
-            self._finalizer = weakref.finalize(self, discard_if_pending, manager, group)
+
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # The graph is gone: a group never restored was not read by a backward (Note: [Group
+        # lifetime]). At interpreter exit nothing will read it again either.
+        group = getattr(self, "group", None)
+        if group is not None and not _finalizing():
+            discard_if_pending(self.manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.group is not None:
@@ -139,15 +148,34 @@ class BackwardGuard:
         Once restored, the group is only autograd's to keep, and it frees each saved input after
         its node ran.
         """
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
         self.group = None
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
         for t in tensors:
-            t.register_hook(self)
+            _add_grad_hook(t, self)
+
+
+_HOOK_KEYS = itertools.count()
+
+
+def _add_grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``t.register_hook(hook)`` without the removable handle, which a guard never uses.
+
+    A tensor's gradient hooks live in ``t._backward_hooks``, the dict that ``register_hook``
+    creates and hands to ``t.grad_fn`` once; the engine runs its values in insertion order, so
+    the hook runs exactly where ``register_hook`` would put it. Skipping the handle halves the
+    cost of hooking a layer's output. The keys are tuples, so they never collide with the
+    handles' integer ids. A leaf or a tensor subclass takes the public path.
+    """
+    if type(t) is not torch.Tensor or t.grad_fn is None:
+        t.register_hook(hook)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        t.grad_fn._register_hook_dict(t)
+    hooks[("swap_pass", next(_HOOK_KEYS))] = hook
 
 
 def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
@@ -161,9 +189,11 @@ def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
 
 def _in_flight_out(manager: SwapLayerInputManager | None) -> SwapTensors | None:
     """``manager``'s group of the micro-batch running now: the one still copying out."""
-    if manager is None:
-        return None
-    return next((g for g in reversed(manager.batch_stack) if g.stat == SwapState.D2H), None)
+    if manager is not None:
+        for g in reversed(manager.batch_stack):
+            if g.stat is SwapState.D2H:
+                return g
+    return None
 
 
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:

@@ -41,3 +41,26 @@ def _swap_pass_calls_per_layer(layers: int) -> float:
 def test_calls_per_layer_do_not_grow_with_depth():
     shallow, deep = _swap_pass_calls_per_layer(8), _swap_pass_calls_per_layer(64)
     assert deep <= shallow * 1.1, (shallow, deep)
+
+
+def test_guard_hook_runs_where_register_hook_would_put_it():
+    """The guards skip ``register_hook``'s handle; their hooks must still run in registration
+    order with the user's, and removing a user's hook must leave theirs in place."""
+    from swap_pass.eager._protocol import _add_grad_hook
+
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    order = []
+    first = y.register_hook(lambda g: order.append("user 1"))
+    _add_grad_hook(y, lambda g: order.append("guard"))
+    y.register_hook(lambda g: order.append("user 2"))
+    first.remove()
+    z = x * 3  # a fresh output: the hook dict is made here, as register_hook would make it
+    _add_grad_hook(z, lambda g: order.append("guard on fresh"))
+    (y.sum() + z.sum()).backward()
+    assert order.index("guard") < order.index("user 2") and "user 1" not in order
+    assert "guard on fresh" in order
+    leaf = torch.randn(2, requires_grad=True)  # no grad_fn: the public path
+    _add_grad_hook(leaf, lambda g: order.append("leaf"))
+    leaf.sum().backward()
+    assert order[-1] == "leaf"
