@@ -13,7 +13,11 @@ step's process CPU time minus the no-swap step's in the same round, divided by `
 
 Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``tensor.cpu()``,
 which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
-of two hook calls. ``bare copy + free (reference)`` is the least any layer-input swap does in
+of two hook calls. ``torch save_on_cpu (copying)`` is ``save_on_cpu(pin_memory=True)``: its pack
+hook allocates a host tensor and copies the saved tensor into it, as it does on an accelerator
+(pinning falls back to pageable memory without one), so it is the row that does a copy out per
+layer like a swap does; its unpack hook is ``.to("cpu")``, which copies nothing back on CPU.
+``bare copy + free (reference)`` is the least any layer-input swap does in
 Python (a copy out, a free, a gradient hook that copies back), with none of the safety; it is the
 floor under the eager row.
 """
@@ -82,13 +86,16 @@ def _plain(model: nn.Module, x: torch.Tensor) -> _Method:
     return _Method(lambda: model(x).backward())
 
 
-def _save_on_cpu(model: nn.Module, x: torch.Tensor) -> _Method:
-    def step() -> None:
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            loss = model(x)
-        loss.backward()
+def _save_on_cpu(pin_memory: bool) -> Callable[[nn.Module, torch.Tensor], _Method]:
+    def build(model: nn.Module, x: torch.Tensor) -> _Method:
+        def step() -> None:
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+                loss = model(x)
+            loss.backward()
 
-    return _Method(step)
+        return _Method(step)
+
+    return build
 
 
 def _eager(model: nn.Module, x: torch.Tensor) -> _Method:
@@ -156,7 +163,8 @@ def _minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
 
 HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
     "no swap": _plain,
-    "torch save_on_cpu": _save_on_cpu,
+    "torch save_on_cpu": _save_on_cpu(pin_memory=False),
+    "torch save_on_cpu (copying)": _save_on_cpu(pin_memory=True),
     "recompute + swap (eager)": _eager,
     "SmartSwap": _smartswap,
     "bare copy + free (reference)": _minimal_swap,
