@@ -143,7 +143,7 @@ class BackwardGuard:
         """Drop our references to the restored group (see Note: [Group lifetime]).
 
         The guard lives as long as the autograd graph (until the loss is dropped, after the
-        whole backward). Holding the group, or a finalizer holding it, would keep every restored
+        whole backward). Holding the group would keep every restored
         layer input alive to the end of backward: the peak would not fall as backward proceeds.
         Once restored, the group is only autograd's to keep, and it frees each saved input after
         its node ran.
