@@ -63,6 +63,11 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the bytes ``storage`` has now (freeing it later is detected)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _fits(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage still holds every element ``t`` addresses (it may have been freed)."""
     if t.numel() == 0:
@@ -169,8 +174,11 @@ class _ModelStreams(_device.DeviceStreams):
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.model.enqueue(stream or self.model.compute, dst, src)
 
+    def copy_storage(self, stream, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
+        self.copy(stream, _byte_view(dst), _byte_view(src))
+
     def free_storage(self, storage: torch.UntypedStorage) -> None:
-        poison_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        poison_(_byte_view(storage))
         storage.resize_(0)
 
 
