@@ -318,12 +318,12 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     Any exception on the way (the layer itself, an in-place write caught at free time) brings
     every group of the layer's tag back to the device before it propagates.
     """
+    if in_backward():  # recomputation inside backward: the input is already back
+        return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
     manager.ensure_registered()
     hidden_states = find_hidden_states(args, kwargs, api)
     check_device(layer, hidden_states, api)
-    if in_backward():  # recomputation inside backward: the input is already back
-        return call(*args, **kwargs)
     try:
         abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()

@@ -203,13 +203,13 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
         A contiguous CPU tensor with ``x``'s values once ``wait`` has run on it.
     """
     ds = device_streams(x.device, use_streams)
-    buf = host_pool().acquire(_nbytes(x), pin=ds.pin_memory,
-                              max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
+    buf, last_copy = host_pool().take(_nbytes(x), pin=ds.pin_memory,
+                                      max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
     host = buf.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
     ready = ds.record_event(ds.compute_stream())
     stream = ds.d2h_stream()
     ds.wait(stream, ready)
-    ds.wait(stream, host_pool().take_event(buf))  # the buffer's last copy, if still running
+    ds.wait(stream, last_copy)  # the buffer's last copy, if still running
     ds.copy(stream, host, x)
     with _lock:
         _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)

@@ -29,17 +29,25 @@ objects over the same storage made before the swap (a ``.detach()`` or view take
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from swap_pass.runtime.errors import SwapDataError
 
-__all__ = ["guard_freed", "is_guarded", "unguard"]
+__all__ = ["Restorable", "guard_freed", "is_guarded", "unguard"]
 
-_WHERE = "_swap_pass_swapped_out"  # attribute naming the group, on a guarded tensor
-_RESTORE = "_swap_pass_restore"  # attribute: weak reference to the group's restore callback
+# The one attribute a guarded tensor carries: (the group's name, a weak reference to the group).
+_WHERE = "_swap_pass_swapped_out"
+
+
+class Restorable(Protocol):
+    """What :func:`guard_freed` needs of the group that freed the tensors."""
+
+    def restore_for_reader(self, in_backward: bool) -> bool:
+        """Bring the data back for a reader if that is safe; return whether it is back."""
 
 # Reading these touches no element of the tensor.
 _METADATA_METHODS = frozenset({
@@ -94,7 +102,7 @@ class _SwappedOut(torch.Tensor):
             return func(*args, **kwargs)  # the guarded tensors are plain tensors again
         guarded = next((t for t in tree_leaves((args, kwargs)) if is_guarded(t)), None)
         what = ("a swapped tensor" if guarded is None else
-                f"a tensor of {getattr(guarded, _WHERE)} (shape {tuple(guarded.shape)}, {guarded.dtype})")
+                f"a tensor of {_where(guarded)} (shape {tuple(guarded.shape)}, {guarded.dtype})")
         raise SwapDataError(
             f"swap_pass.SwapTensors: {name} was called on {what} while its data is swapped out to "
             "host memory and its device storage is freed. A swapped tensor can be read again "
@@ -104,8 +112,12 @@ class _SwappedOut(torch.Tensor):
 
 
 def _repr(t: torch.Tensor) -> str:
-    return (f"tensor(<swapped out by swap_pass: {getattr(t, _WHERE)}>, size={tuple(t.shape)}, "
+    return (f"tensor(<swapped out by swap_pass: {_where(t)}>, size={tuple(t.shape)}, "
             f"dtype={t.dtype}, device='{t.device}')")
+
+
+def _where(t: torch.Tensor) -> str:
+    return getattr(t, _WHERE, ("a swap group", None))[0]
 
 
 def _restore_all(leaves: list) -> bool:
@@ -116,9 +128,9 @@ def _restore_all(leaves: list) -> bool:
     """
     guarded = [t for t in leaves if is_guarded(t)]
     for t in guarded:
-        restore = getattr(t, _RESTORE, None)
-        callback = restore() if restore is not None else None
-        if callback is None or not callback(torch._C._current_graph_task_id() != -1):
+        ref = getattr(t, _WHERE, (None, None))[1]
+        group = ref() if ref is not None else None
+        if group is None or not group.restore_for_reader(torch._C._current_graph_task_id() != -1):
             return False
     return not any(is_guarded(t) for t in guarded)
 
@@ -128,22 +140,20 @@ def is_guarded(obj: object) -> bool:
     return type(obj) is _SwappedOut
 
 
-def guard_freed(tensors: Iterable[torch.Tensor], where: str,
-                restore: Callable[[bool], bool] | None = None) -> None:
+def guard_freed(tensors: Iterable[torch.Tensor], where: str, group: Restorable | None = None) -> None:
     """Make Python-level reads and writes of ``tensors`` raise :class:`SwapDataError`.
 
     Args:
         tensors: Plain ``torch.Tensor`` objects whose storage was just freed.
         where: The group's name, shown in the error.
-        restore: A bound method ``restore(in_backward) -> bool`` that brings the data back (or
-            says it may not) for a reader; held weakly. Default: ``None`` (always raise).
+        group: The group that freed them, held weakly: a reader that may wait asks it to bring
+            the data back. Default: ``None`` (always raise).
     """
-    ref = weakref.WeakMethod(restore) if restore is not None else None
+    guard = (where, weakref.ref(group) if group is not None else None)
     for t in tensors:
         if type(t) is torch.Tensor:
             t.__class__ = _SwappedOut
-            setattr(t, _WHERE, where)
-            setattr(t, _RESTORE, ref)
+            t.__dict__[_WHERE] = guard
 
 
 def unguard(tensors: Iterable[torch.Tensor]) -> None:
@@ -151,5 +161,4 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         if type(t) is _SwappedOut:
             t.__class__ = torch.Tensor
-            delattr(t, _WHERE)
-            delattr(t, _RESTORE)
+            t.__dict__.pop(_WHERE, None)

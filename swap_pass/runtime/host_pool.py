@@ -85,7 +85,25 @@ class HostBufferPool:
         return self._in_use_bytes + self._free_bytes
 
     def acquire(self, nbytes: int, *, pin: bool, max_host_bytes: int | None = None) -> torch.Tensor:
-        """Return a host buffer of exactly ``nbytes`` bytes.
+        """Return a host buffer of exactly ``nbytes`` bytes (its last copy's event stays for
+        :meth:`take_event`).
+
+        Raises:
+            HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
+        """
+        buf, event = self.take(nbytes, pin=pin, max_host_bytes=max_host_bytes)
+        if event is not None:
+            with self._lock:
+                self._events[buf.data_ptr()] = event
+        return buf
+
+    def take(self, nbytes: int, *, pin: bool,
+             max_host_bytes: int | None = None) -> tuple[torch.Tensor, object]:
+        """Return a host buffer of exactly ``nbytes`` bytes and the event of its last copy.
+
+        The event is what :meth:`take_event` would return: the caller's copy stream must wait on
+        it before using the buffer (None when no copy may still touch it). One lock round for
+        both, on the path every swap-out takes.
 
         Raises:
             HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
@@ -96,31 +114,34 @@ class HostBufferPool:
             bucket = self._free.get(key)
             if bucket:
                 buf = bucket.pop()
+                event = self._events.pop(buf.data_ptr(), None) if self._events else None
                 self._free_bytes -= nbytes
                 self._take(nbytes, fresh=False)
-                return buf
+                return buf, event
             self._make_room(nbytes, max_host_bytes)
         buf = self._allocate(nbytes, pin)
         with self._lock:
             self._take(nbytes, fresh=True)
-        return buf
+        return buf, None
 
-    def release(self, buf: torch.Tensor, event: object = None) -> None:
+    def release(self, buf: torch.Tensor, event: object = None, *, pinned: bool | None = None) -> None:
         """Give ``buf`` back for reuse.
 
         Args:
-            buf: A buffer from :meth:`acquire`.
+            buf: A buffer from :meth:`acquire` or :meth:`take`.
             event: Recorded after the last copy that reads or writes ``buf``, when the
                 releaser has not ordered every later user after it. Default: ``None``.
+            pinned: Whether ``buf`` is pinned, when the caller knows (it asked for it).
+                Default: ``None`` (asked of the buffer).
         """
         self.drain_deferred()
-        self._release_now(buf, event)
+        self._release_now(buf, event, pinned)
 
-    def _release_now(self, buf: torch.Tensor, event: object) -> None:
+    def _release_now(self, buf: torch.Tensor, event: object, pinned: bool | None = None) -> None:
         if event is not None:
             with self._lock:
                 self._events[buf.data_ptr()] = event
-        self._put_back(buf)
+        self._put_back(buf, pinned)
 
     def release_when_unread(self, buf: torch.Tensor, event: object = None) -> None:
         """Give ``buf`` back once the pool holds its storage alone (safe inside finalizers).
@@ -182,11 +203,12 @@ class HostBufferPool:
             if stat_deltas:
                 stats.record(**stat_deltas)
 
-    def _put_back(self, buf: torch.Tensor) -> None:
+    def _put_back(self, buf: torch.Tensor, pinned: bool | None = None) -> None:
         host_buffer_released(buf)
         nbytes = buf.numel()
+        key = (nbytes, buf.is_pinned() if pinned is None else pinned)
         with self._lock:
-            self._free.setdefault((nbytes, buf.is_pinned()), []).append(buf)
+            self._free.setdefault(key, []).append(buf)
             self._free_bytes += nbytes
             self._in_use_bytes -= nbytes
         stats.record(host_bytes_in_use=-nbytes)

@@ -49,8 +49,9 @@ __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_fo
 _DEFAULT_CONFIG = SwapConfig()
 _warned_keep_on_device = False
 # Groups holding host buffers, so that reset() reaches those no manager tracks; see
-# discard_groups_off_device().
-_holding_host_buffers: weakref.WeakSet[SwapTensors] = weakref.WeakSet()
+# discard_groups_off_device(). By id, with the group's plain weak reference (the one the freed
+# tensors' guard holds too): cheaper per swap than a WeakSet, which makes a reference per call.
+_holding_host_buffers: dict[int, weakref.ref[SwapTensors]] = {}
 
 
 class SwapState(str, enum.Enum):
@@ -106,12 +107,21 @@ class _StorageEntry:
     host_event: object = None  # the last copy of a reused host buffer, to order ours after
     span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
 
-    def device_bytes(self) -> torch.Tensor:
-        """The bytes of the storage that go to the host and come back."""
+    def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
+        """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
+        if self.span is None:  # storage to storage: no byte view to build
+            ds.copy_storage(stream, self.host.untyped_storage(), self.storage)
+        else:
+            lo, hi = self.span
+            ds.copy(stream, self.host, _bytes_view(self.storage, lo, hi - lo))
+
+    def copy_in(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
+        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream``."""
         if self.span is None:
-            return _bytes_view(self.storage)
-        lo, hi = self.span
-        return _bytes_view(self.storage, lo, hi - lo)
+            ds.copy_storage(stream, self.storage, self.host.untyped_storage())
+        else:
+            lo, hi = self.span
+            ds.copy(stream, _bytes_view(self.storage, lo, hi - lo), self.host)
 
     @property
     def host_nbytes(self) -> int:
@@ -122,16 +132,13 @@ class _StorageEntry:
 _EMPTY_BYTES: dict[torch.device, torch.Tensor] = {}
 
 
-def _bytes_view(storage: torch.UntypedStorage, offset: int = 0,
-                nbytes: int | None = None) -> torch.Tensor:
-    """A flat uint8 tensor over ``nbytes`` bytes of ``storage`` from ``offset`` (default: all)."""
+def _bytes_view(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` bytes of ``storage`` from ``offset``."""
     device = storage.device
     empty = _EMPTY_BYTES.get(device)
     if empty is None:
         empty = _EMPTY_BYTES[device] = torch.empty(0, dtype=torch.uint8, device=device)
     view = empty.new_empty(0)  # measured: cheaper than torch.empty(0, dtype=, device=) per call
-    if nbytes is None:
-        return view.set_(storage)
     return view.set_(storage, offset, (nbytes,), (1,))
 
 
@@ -237,7 +244,7 @@ class SwapTensors:
                 if e.host_event is not None:
                     ds.wait(stream, e.host_event)
                     e.host_event = None
-                ds.copy(stream, e.host, e.device_bytes())
+                e.copy_out(ds, stream)
             self._event = _record(ds, stream)
             stats.record(swap_outs=1, swapped_out_bytes=self.host_nbytes)
         self.stat = SwapState.D2H
@@ -252,7 +259,7 @@ class SwapTensors:
             self._event = None
             for e in self._entries:
                 ds.free_storage(e.storage)
-            guard_freed(self._freed_tensors(), self.name or "a swap group", self._restore_for_reader)
+            guard_freed(self._freed_tensors(), self.name or "a swap group", self)
             stats.record(device_bytes_released=self.nbytes)
         self.stat = SwapState.HOST
 
@@ -266,7 +273,7 @@ class SwapTensors:
             stream = stream or ds.h2d_stream()
             _order_after_compute(ds, stream)
             for e in self._entries:
-                ds.copy(stream, e.device_bytes(), e.host)
+                e.copy_in(ds, stream)
             self._event = _record(ds, stream)
             stats.record(device_bytes_released=-self.nbytes, swap_ins=1,
                          swapped_in_bytes=self.host_nbytes)
@@ -322,6 +329,7 @@ class SwapTensors:
         # A group dropped mid-flight (exception, no backward) must not keep its host buffers.
         # No locks here: see Note: [Releasing from __del__] in host_pool.py.
         try:
+            _holding_host_buffers.pop(id(self), None)
             bufs = [e.host for e in self._entries if e.host is not None]
             if not bufs:
                 return
@@ -333,7 +341,7 @@ class SwapTensors:
         except Exception:  # interpreter shutdown: the pool may already be gone
             pass
 
-    def _restore_for_reader(self, in_backward: bool) -> bool:
+    def restore_for_reader(self, in_backward: bool) -> bool:
         """A guarded tensor of the group is about to be read: restore it if that is safe.
 
         Data in flight back (``"h2d"``) is always waited for; freed data is brought back only
@@ -377,11 +385,11 @@ class SwapTensors:
         if not self._entries:
             return True
         pool, pin = host_pool(), self._pin()
-        _holding_host_buffers.add(self)
+        _holding_host_buffers[id(self)] = weakref.ref(self)
         try:
             for e in self._entries:
-                e.host = pool.acquire(e.host_nbytes, pin=pin, max_host_bytes=self.config.max_host_bytes)
-                e.host_event = pool.take_event(e.host)
+                e.host, e.host_event = pool.take(e.host_nbytes, pin=pin,
+                                                 max_host_bytes=self.config.max_host_bytes)
         except HostMemoryError:
             self._release_host_buffers()
             if self.config.on_host_exhausted == OnHostExhausted.ERROR:
@@ -392,12 +400,12 @@ class SwapTensors:
         return True
 
     def _release_host_buffers(self, event: object = None) -> None:
-        pool = host_pool()
+        pool, pinned = host_pool(), self._pin()
         for e in self._entries:
             if e.host is not None:
-                pool.release(e.host, event)
+                pool.release(e.host, event, pinned=pinned)
                 e.host = None
-        _holding_host_buffers.discard(self)
+        _holding_host_buffers.pop(id(self), None)
 
     def _leave_registry(self) -> None:
         live_groups.release_all(self, [e.storage for e in self._entries])
@@ -472,7 +480,13 @@ def discard_groups_off_device(*, restore: bool = False) -> int:
     directly by a user. Its buffers stay in use until then, so :func:`swap_pass.reset` calls
     this to make "reset" mean no host bytes in use, whenever the collector runs.
     """
-    groups = list(_holding_host_buffers)
+    groups = []
+    for key, ref in list(_holding_host_buffers.items()):
+        group = ref()
+        if group is None:  # died without its finalizer running (interpreter exit)
+            _holding_host_buffers.pop(key, None)
+        else:
+            groups.append(group)
     for group in groups:
         group.restore() if restore else group.discard()
     return len(groups)
