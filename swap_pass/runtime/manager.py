@@ -251,10 +251,11 @@ class SwapLayerInputManager:
         """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
 
         The first layer's first group of each size runs :meth:`preflight_for` first.
-        ``copy_span`` is for tensors that :meth:`claim` returned (see :class:`SwapTensors`).
+        ``copy_span`` is for tensors that :meth:`claim` returned (see :class:`SwapTensors`):
+        they are not checked again.
         """
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
-                            name=name or self.name, copy_span=copy_span)
+                            name=name or self.name, copy_span=copy_span, checked=copy_span)
         if self.layer_idx == 0:
             self.preflight_for(group.host_nbytes)
         self.batch_stack.append(group)

@@ -144,16 +144,20 @@ def _bytes_view(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torc
 
 def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
                       copy_span: bool = False) -> list[_StorageEntry]:
+    """One entry per distinct storage that holds bytes, at least ``min_bytes`` of them."""
     entries: dict[int, _StorageEntry] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in entries:
-            if storage.nbytes() < min_bytes:
+        key = storage._cdata
+        e = entries.get(key)
+        if e is None:
+            nbytes = storage.nbytes()
+            if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
                 continue
-            entries[key] = _StorageEntry(storage, storage.nbytes(), [], [])
-        entries[key].tensors.append(t)
-        entries[key].versions.append(t._version)
+            entries[key] = _StorageEntry(storage, nbytes, [t], [t._version])
+        else:
+            e.tensors.append(t)
+            e.versions.append(t._version)
     if copy_span:
         for e in entries.values():
             span = byte_span(e.tensors)
@@ -174,6 +178,8 @@ class SwapTensors:
             those: for storages nobody else holds (see Note: [Ownership rule] in
             ``swap_pass/runtime/ownership.py``); the rest of the storage reads as garbage after
             the restore. Default: ``False`` (whole storages).
+        checked: The tensors passed :func:`is_valid_for_swap` already (a manager's claim at
+            the layer's entry); only storages freed since are left out. Default: ``False``.
 
     Attributes:
         stat: ``"device"``, ``"d2h"``, ``"host"`` or ``"h2d"``.
@@ -190,10 +196,12 @@ class SwapTensors:
         config: SwapConfig | None = None,
         name: str | None = None,
         copy_span: bool = False,
+        checked: bool = False,
     ) -> None:
         self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
         self.name = name
-        self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
+        self.tensors = (list(tensors) if checked else
+                        [t for t in tensors if is_valid_for_swap(t, custom_check_fn)])
         self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
         self._measure()
         self.device = self._common_device()
