@@ -71,4 +71,4 @@ def reset() -> None:
     host_pool().clear()
     rearm_warnings()
     _ownership.rearm_warnings()
-    _stats.clear(keep_gauges=True)
+    _stats.clear()

@@ -66,6 +66,8 @@ class HostBufferPool:
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._in_use_bytes = 0
+        self._peak_in_use_bytes = 0  # since the last restart_gauges()
+        self._allocations = 0  # fresh buffers since the last restart_gauges()
         self._events: dict[int, object] = {}  # data_ptr -> event of the buffer's last copy
         # Buffers handed back from finalizers; see Note: [Releasing from __del__].
         self._deferred: collections.deque[tuple[list[torch.Tensor], int, dict[str, int]]] = (
@@ -199,7 +201,6 @@ class HostBufferPool:
             if forgotten:
                 with self._lock:
                     self._in_use_bytes -= forgotten
-                stats.record(host_bytes_in_use=-forgotten, host_bytes_reserved=-forgotten)
             if stat_deltas:
                 stats.record(**stat_deltas)
 
@@ -211,7 +212,6 @@ class HostBufferPool:
             self._free.setdefault(key, []).append(buf)
             self._free_bytes += nbytes
             self._in_use_bytes -= nbytes
-        stats.record(host_bytes_in_use=-nbytes)
 
     def clear(self) -> None:
         """Drop every cached buffer (buffers in use are not touched; those a graph may still
@@ -220,9 +220,7 @@ class HostBufferPool:
         while self._unread:
             self._release_now(*self._unread.popleft())
         with self._lock:
-            dropped = self._free_bytes
             self._drop_cached()
-        stats.record(host_bytes_reserved=-dropped)
 
     # --- internals ---
 
@@ -235,17 +233,29 @@ class HostBufferPool:
 
     def _take(self, nbytes: int, *, fresh: bool) -> None:
         self._in_use_bytes += nbytes
-        if fresh:
-            stats.record(host_bytes_in_use=nbytes, host_bytes_reserved=nbytes, host_allocations=1)
-        else:
-            stats.record(host_bytes_in_use=nbytes)
+        if self._in_use_bytes > self._peak_in_use_bytes:
+            self._peak_in_use_bytes = self._in_use_bytes
+        self._allocations += fresh
+
+    def gauges(self) -> dict[str, int]:
+        """The host fields of :class:`~swap_pass.SwapStats`: bytes in use (and their peak),
+        bytes reserved, fresh allocations (peak and allocations since :meth:`restart_gauges`)."""
+        with self._lock:
+            return {"host_bytes_in_use": self._in_use_bytes,
+                    "peak_host_bytes_in_use": self._peak_in_use_bytes,
+                    "host_bytes_reserved": self._in_use_bytes + self._free_bytes,
+                    "host_allocations": self._allocations}
+
+    def restart_gauges(self) -> None:
+        """Restart the peak at the bytes now in use and the allocation count at zero."""
+        with self._lock:
+            self._peak_in_use_bytes = self._in_use_bytes
+            self._allocations = 0
 
     def _make_room(self, nbytes: int, max_host_bytes: int | None) -> None:
         if max_host_bytes is None or self.bytes_reserved + nbytes <= max_host_bytes:
             return
-        dropped = self._free_bytes
         self._drop_cached()
-        stats.record(host_bytes_reserved=-dropped)
         if self._in_use_bytes + nbytes > max_host_bytes:
             raise HostMemoryError(
                 "host_pool", nbytes, max(max_host_bytes - self._in_use_bytes, 0),
@@ -264,6 +274,7 @@ class HostBufferPool:
 
 
 _pool = HostBufferPool()
+stats.set_host_gauges(_pool.gauges, _pool.restart_gauges)
 
 
 def host_pool() -> HostBufferPool:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
-__all__ = ["SwapStats", "record", "snapshot", "clear"]
+__all__ = ["SwapStats", "clear", "record", "set_host_gauges", "snapshot"]
 
 
 @dataclasses.dataclass
@@ -54,17 +55,30 @@ class SwapStats:
 _lock = threading.Lock()
 # The counters live in a plain dict: record() runs a few times per swapped layer per step, and
 # a dict update is several times cheaper than getattr/setattr on the dataclass.
-_FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats))
+# The host gauges are the host buffer pool's own figures (see set_host_gauges): the pool keeps
+# them as it hands buffers out, so taking and giving back a buffer costs no record() call.
+_HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reserved",
+                "host_allocations")
+_FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats) if f.name not in _HOST_GAUGES)
 _counts: dict[str, int] = dict.fromkeys(_FIELDS, 0)
-_PEAKS = {"host_bytes_in_use": "peak_host_bytes_in_use",
-          "device_bytes_released": "peak_device_bytes_released"}
+_PEAKS = {"device_bytes_released": "peak_device_bytes_released"}
+_host_gauges: Callable[[], dict[str, int]] = lambda: dict.fromkeys(_HOST_GAUGES, 0)
+_restart_host_gauges: Callable[[], None] = lambda: None
+
+
+def set_host_gauges(read: Callable[[], dict[str, int]], restart: Callable[[], None]) -> None:
+    """Where :func:`snapshot` reads the host gauges, and how :func:`clear` restarts their
+    peak and allocation count (the process-wide host buffer pool calls this once)."""
+    global _host_gauges, _restart_host_gauges
+    _host_gauges, _restart_host_gauges = read, restart
 
 
 def record(**deltas: int) -> None:
     """Add ``deltas`` to the named counters, keeping the peaks up to date.
 
     Raises:
-        KeyError: A name is not a :class:`SwapStats` field.
+        KeyError: A name is not a :class:`SwapStats` field kept here (the host gauges are the
+            pool's).
     """
     with _lock:
         counts = _counts
@@ -78,16 +92,15 @@ def record(**deltas: int) -> None:
 
 def snapshot() -> SwapStats:
     """Return a copy of the counters."""
+    host = _host_gauges()
     with _lock:
-        return SwapStats(**_counts)
+        return SwapStats(**_counts, **host)
 
 
-def clear(*, keep_gauges: bool = False) -> None:
-    """Zero the counters; with ``keep_gauges`` the current in-use figures stay and peaks restart."""
+def clear() -> None:
+    """Zero the counters; gauges (bytes now released or held) stay, and their peaks restart."""
     with _lock:
-        kept = {}
-        if keep_gauges:
-            for gauge, peak in _PEAKS.items():
-                kept[gauge] = kept[peak] = _counts[gauge]
-            kept["host_bytes_reserved"] = _counts["host_bytes_reserved"]
-        _counts.update(dict.fromkeys(_FIELDS, 0), **kept)
+        released = _counts["device_bytes_released"]
+        _counts.update(dict.fromkeys(_FIELDS, 0), device_bytes_released=released,
+                       peak_device_bytes_released=released)
+    _restart_host_gauges()
