@@ -261,7 +261,7 @@ class SwapLayerInputManager:
         self.batch_stack.append(group)
         group.swap_to_host()
         copying = self._copying.setdefault(self.module_tag, [])
-        if all(m is not self for m in copying):
+        if self not in copying:  # managers compare by identity
             copying.append(self)
         return group
 
@@ -274,15 +274,16 @@ class SwapLayerInputManager:
         copying = self._copying.get(self.module_tag)
         if not copying or not self._registered():
             return []
-        found, still = [], []
+        found, done = [], False
         for manager in copying:
             groups = [g for g in manager.batch_stack if g.stat is SwapState.D2H]
-            if groups:  # unregister() and reset_all() drop managers from the index
-                still.append(manager)
-                if manager.layer_idx < self.layer_idx:
-                    found.append((manager, groups))
-        if len(still) != len(copying):
-            copying[:] = still
+            if not groups:
+                done = True
+            elif manager.layer_idx < self.layer_idx:
+                found.append((manager, groups))
+        if done:  # their copies are over (unregister() and reset_all() drop managers too)
+            copying[:] = [m for m in copying
+                          if any(g.stat is SwapState.D2H for g in m.batch_stack)]
         if len(found) > 1:
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return [(manager, g) for manager, groups in found for g in groups]
