@@ -1,10 +1,14 @@
-"""Host CPU time the eager swap adds per layer, forward and backward apart.
+"""Host CPU time the eager swap adds per layer, forward and backward apart, beside torch's own.
 
-The model is ``HostCostModel`` (tiny checkpointed layers, compute negligible), built twice from
-one seed: one copy plain, one with ``enable_swap_layer_input``. Steps of the two alternate, one
-intra-op thread; each phase's figure is the least process CPU time over the timed steps, minus
-the plain copy's least, divided by the layer count. The least time is steadier than the median
-on a shared machine; ``swap-pass bench`` reports medians of paired differences instead.
+The model is ``HostCostModel`` (tiny checkpointed layers, compute negligible), built once per
+method from one seed: plain, with ``enable_swap_layer_input``, under
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (its pack hook copies each saved tensor to
+a fresh host tensor, so it does a copy out per layer like a swap), and with the bare
+copy-and-free reference of ``swap-pass bench`` (no safety; the floor under the eager row). Steps
+of the methods alternate, one intra-op thread; each phase's figure is the least process CPU time
+over the timed steps, minus the plain model's least, divided by the layer count. The least time
+is steadier than the median on a shared machine; ``swap-pass bench`` reports medians of paired
+differences instead.
 
 Run it once per build to compare two builds (``PYTHONPATH=<checkout> python
 scripts/host_cost_phases.py``), alternating builds between runs.
@@ -15,21 +19,41 @@ Usage: python scripts/host_cost_phases.py [--layers 32 --steps 300 --warmup 10]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
 import swap_pass
-from swap_pass.bench.host_cost import HostCostModel
+from swap_pass.bench.host_cost import HostCostModel, minimal_swap
 from swap_pass.bench.measure import intra_op_threads
 
+_COPYING = "save_on_cpu (copying)"
 
-def _phases(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, float]:
+
+def _phases(model: torch.nn.Module, x: torch.Tensor,
+            around_forward: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float]:
     start = time.process_time()
-    loss = model(x)
+    with around_forward():
+        loss = model(x)
     mid = time.process_time()
     loss.backward()
     return mid - start, time.process_time() - mid
+
+
+def _build(layers: int, x: torch.Tensor) -> tuple[dict, list[Callable[[], None]]]:
+    """``{name: (model, context around its forward)}`` and what undoes the patches."""
+    models = {}
+    for name in ("plain", "eager", _COPYING, "bare"):
+        torch.manual_seed(0)
+        models[name] = HostCostModel(layers)
+    closers = [swap_pass.enable_swap_layer_input(models["eager"]).remove,
+               minimal_swap(models["bare"], x).close]
+    methods = {name: (model, contextlib.nullcontext) for name, model in models.items()}
+    methods[_COPYING] = (models[_COPYING],
+                         lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    return methods, closers
 
 
 def main() -> None:
@@ -40,23 +64,26 @@ def main() -> None:
     args = parser.parse_args()
 
     x = torch.randn(1, 4, 8, requires_grad=True)
-    torch.manual_seed(0)
-    plain = HostCostModel(args.layers)
-    torch.manual_seed(0)
-    swapped = HostCostModel(args.layers)
-    handle = swap_pass.enable_swap_layer_input(swapped)
-    least = {"plain": [float("inf")] * 2, "swapped": [float("inf")] * 2}
-    with intra_op_threads(1):
-        for step in range(args.warmup + args.steps):
-            for name, model in (("plain", plain), ("swapped", swapped)):
-                times = _phases(model, x)
-                if step >= args.warmup:
-                    least[name] = [min(a, b) for a, b in zip(least[name], times)]
-    handle.remove()
-    fwd, bwd = ((s - p) / args.layers * 1e6 for s, p in zip(least["swapped"], least["plain"]))
-    print(f"eager swap adds per layer: forward {fwd:.1f} us, backward {bwd:.1f} us, "
-          f"total {fwd + bwd:.1f} us (least CPU time of {args.steps} steps, "
-          f"{args.layers} layers, torch {torch.__version__})")
+    methods, closers = _build(args.layers, x)
+    least = {name: [float("inf")] * 2 for name in methods}
+    try:
+        with intra_op_threads(1):
+            for step in range(args.warmup + args.steps):
+                for name, (model, around_forward) in methods.items():
+                    times = _phases(model, x, around_forward)
+                    if step >= args.warmup:
+                        least[name] = [min(a, b) for a, b in zip(least[name], times)]
+    finally:
+        for close in closers:
+            close()
+    added = {name: [(s - p) / args.layers * 1e6 for s, p in zip(least[name], least["plain"])]
+             for name in methods if name != "plain"}
+    copying = sum(added[_COPYING])
+    print(f"host CPU time added per layer over plain (least of {args.steps} steps, "
+          f"{args.layers} layers, torch {torch.__version__}):")
+    for name, (fwd, bwd) in added.items():
+        print(f"  {name:<22} forward {fwd:6.1f} us, backward {bwd:6.1f} us, "
+              f"total {fwd + bwd:6.1f} us ({(fwd + bwd) / copying:4.1f}x {_COPYING})")
 
 
 if __name__ == "__main__":

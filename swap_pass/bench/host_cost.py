@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swap_pass.bench.measure import intra_op_threads
 
-__all__ = ["HOST_METHODS", "HostCostModel", "host_us_per_layer"]
+__all__ = ["HOST_METHODS", "HostCostModel", "host_us_per_layer", "minimal_swap"]
 
 
 class _TinyLayer(nn.Module):
@@ -119,7 +119,7 @@ def _smartswap(model: nn.Module, x: torch.Tensor) -> _Method:
 
 
 class _MinimalSwapForward:
-    """A block's forward that swaps its input the barest way: see :func:`_minimal_swap`."""
+    """A block's forward that swaps its input the barest way: see :func:`minimal_swap`."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.forward = type(layer).forward.__get__(layer)
@@ -142,7 +142,7 @@ class _MinimalSwapForward:
         return out
 
 
-def _minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
+def minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
     """A reference, not a way to train: the least a layer-input swap does in Python per layer.
 
     Each inner layer's input is copied to a fresh host buffer and its storage freed after the
@@ -167,7 +167,7 @@ HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
     "torch save_on_cpu (copying)": _save_on_cpu(pin_memory=True),
     "recompute + swap (eager)": _eager,
     "SmartSwap": _smartswap,
-    "bare copy + free (reference)": _minimal_swap,
+    "bare copy + free (reference)": minimal_swap,
 }
 
 

@@ -84,6 +84,11 @@ __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "ru
 _GUARDED_ATTR = "_swap_pass_guarded"
 _PREVIOUS_ATTR = "_swap_pass_previous"  # weak reference: the previous layer's group, same micro-batch
 _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
+# Tags under which a no-grad layer call left a group that no guard protects yet (Note: [No-grad
+# first forward]); only their layer calls look for such groups. A tag leaves the set when its
+# last layer has run: every earlier unguarded group is back on the device then. (A group that a
+# racing thread's clear hides is freed by no one: kept on the device, never read freed.)
+_MAYBE_UNGUARDED: set[str] = set()
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -239,9 +244,12 @@ def _left_region(hidden_states: torch.Tensor) -> bool:
 
 def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
     """The last layer ran: no later call can guard what is still unguarded; keep it on device."""
+    if manager.module_tag not in _MAYBE_UNGUARDED:
+        return
     for prev, group in manager.copying_earlier():
         if not is_guarded(group):
             prev.wait_swap_in(group)
+    _MAYBE_UNGUARDED.discard(manager.module_tag)
 
 
 def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> None:
@@ -251,7 +259,7 @@ def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch
     Under reentrant checkpointing of segments of several layers, our input is the previous
     segment's output and the unguarded groups are the inputs of that segment's first layer.
     """
-    if not _left_region(hidden_states):
+    if manager.module_tag not in _MAYBE_UNGUARDED or not _left_region(hidden_states):
         return
     for prev, group in manager.copying_earlier():
         if not is_guarded(group):
@@ -308,6 +316,8 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         setattr(group, _PREVIOUS_ATTR, _weak(previous))
     if outputs:
         BackwardGuard(manager, group, previous).attach(outputs)
+    elif group is not None:  # guarded by the next call whose input left the region, if any
+        _MAYBE_UNGUARDED.add(manager.module_tag)
     free_previous(manager)
 
 

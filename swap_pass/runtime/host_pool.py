@@ -136,7 +136,8 @@ class HostBufferPool:
             pinned: Whether ``buf`` is pinned, when the caller knows (it asked for it).
                 Default: ``None`` (asked of the buffer).
         """
-        self.drain_deferred()
+        if self._deferred or self._unread:  # what drain_deferred() checks first, spared a call
+            self.drain_deferred()
         self._release_now(buf, event, pinned)
 
     def _release_now(self, buf: torch.Tensor, event: object, pinned: bool | None = None) -> None:

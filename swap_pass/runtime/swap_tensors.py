@@ -102,7 +102,7 @@ class _StorageEntry:
     storage: torch.UntypedStorage
     nbytes: int
     tensors: list[torch.Tensor]
-    versions: list[int]
+    versions: list[int]  # the tensors' versions when the copy out started
     host: torch.Tensor | None = None
     host_event: object = None  # the last copy of a reused host buffer, to order ours after
     span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
@@ -154,10 +154,9 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
                 continue
-            entries[key] = _StorageEntry(storage, nbytes, [t], [t._version])
+            entries[key] = _StorageEntry(storage, nbytes, [t], [])
         else:
             e.tensors.append(t)
-            e.versions.append(t._version)
     if copy_span:
         for e in entries.values():
             span = byte_span(e.tensors)
@@ -226,8 +225,10 @@ class SwapTensors:
 
     def _measure(self) -> None:
         """Sum the entries' sizes (read at every transition; the entries change rarely)."""
-        self._nbytes = sum(e.nbytes for e in self._entries)
-        self._host_nbytes = sum(e.host_nbytes for e in self._entries)
+        self._nbytes = self._host_nbytes = 0
+        for e in self._entries:
+            self._nbytes += e.nbytes
+            self._host_nbytes += e.host_nbytes
 
     @property
     def is_empty(self) -> bool:
