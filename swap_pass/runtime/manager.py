@@ -274,16 +274,15 @@ class SwapLayerInputManager:
         copying = self._copying.get(self.module_tag)
         if not copying or not self._registered():
             return []
-        found, done = [], False
+        found, still = [], []
         for manager in copying:
             groups = [g for g in manager.batch_stack if g.stat is SwapState.D2H]
-            if not groups:
-                done = True
-            elif manager.layer_idx < self.layer_idx:
-                found.append((manager, groups))
-        if done:  # their copies are over (unregister() and reset_all() drop managers too)
-            copying[:] = [m for m in copying
-                          if any(g.stat is SwapState.D2H for g in m.batch_stack)]
+            if groups:  # unregister() and reset_all() drop managers from the index
+                still.append(manager)
+                if manager.layer_idx < self.layer_idx:
+                    found.append((manager, groups))
+        if len(still) != len(copying):
+            copying[:] = still
         if len(found) > 1:
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return [(manager, g) for manager, groups in found for g in groups]

@@ -61,7 +61,6 @@ _HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reser
                 "host_allocations")
 _FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats) if f.name not in _HOST_GAUGES)
 _counts: dict[str, int] = dict.fromkeys(_FIELDS, 0)
-_PEAKS = {"device_bytes_released": "peak_device_bytes_released"}
 _host_gauges: Callable[[], dict[str, int]] = lambda: dict.fromkeys(_HOST_GAUGES, 0)
 _restart_host_gauges: Callable[[], None] = lambda: None
 
@@ -80,14 +79,12 @@ def record(**deltas: int) -> None:
         KeyError: A name is not a :class:`SwapStats` field kept here (the host gauges are the
             pool's).
     """
+    counts = _counts
     with _lock:
-        counts = _counts
         for name, delta in deltas.items():
-            value = counts[name] + delta
-            counts[name] = value
-            peak = _PEAKS.get(name)
-            if peak is not None and value > counts[peak]:
-                counts[peak] = value
+            counts[name] += delta
+        if counts["device_bytes_released"] > counts["peak_device_bytes_released"]:
+            counts["peak_device_bytes_released"] = counts["device_bytes_released"]
 
 
 def snapshot() -> SwapStats:

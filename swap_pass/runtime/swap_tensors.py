@@ -159,9 +159,17 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
             e.tensors.append(t)
     if copy_span:
         for e in entries.values():
-            span = byte_span(e.tensors)
-            e.span = None if span == (0, e.nbytes) else span
+            if not _spans_all(e):
+                span = byte_span(e.tensors)
+                e.span = None if span == (0, e.nbytes) else span
     return list(entries.values())
+
+
+def _spans_all(e: _StorageEntry) -> bool:
+    """The common case, decided without :func:`byte_span`: one contiguous tensor over all bytes."""
+    t = e.tensors[0]
+    return (len(e.tensors) == 1 and t.storage_offset() == 0 and t.nbytes == e.nbytes
+            and t.is_contiguous())
 
 
 class SwapTensors:
@@ -239,14 +247,15 @@ class SwapTensors:
 
     def swap_to_host(self, stream: torch.Stream | None = None) -> None:
         """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
-        self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
+        if self.stat is not SwapState.DEVICE:  # checked inline: every transition passes here
+            self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
         self._snapshot_versions()
         for e in self._entries:  # see Note: [One storage, one live group]
             live_groups.claim(self, e.storage)
         if not self._acquire_host_buffers():
             self.kept_on_device = True
         elif self._entries:
-            ds = self._streams()
+            ds = self._ds or self._streams()
             stream = stream or ds.d2h_stream()
             _order_after_compute(ds, stream)
             for e in self._entries:
@@ -260,10 +269,11 @@ class SwapTensors:
 
     def wait_d2h(self) -> None:
         """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host")."""
-        self._expect(SwapState.D2H, "SwapTensors.wait_d2h")
+        if self.stat is not SwapState.D2H:  # checked inline: every transition passes here
+            self._expect(SwapState.D2H, "SwapTensors.wait_d2h")
         self._check_unmodified("between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and self._entries:
-            ds = self._streams()
+            ds = self._ds or self._streams()
             _wait_on_compute(ds, self._event)
             self._event = None
             for e in self._entries:
@@ -274,9 +284,10 @@ class SwapTensors:
 
     def swap_to_device(self, stream: torch.Stream | None = None) -> None:
         """Re-allocate the device storages and start copying the data back ("host" -> "h2d")."""
-        self._expect(SwapState.HOST, "SwapTensors.swap_to_device")
+        if self.stat is not SwapState.HOST:  # checked inline: every transition passes here
+            self._expect(SwapState.HOST, "SwapTensors.swap_to_device")
         if not self.kept_on_device and self._entries:
-            ds = self._streams()
+            ds = self._ds or self._streams()
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
             stream = stream or ds.h2d_stream()
@@ -290,9 +301,10 @@ class SwapTensors:
 
     def wait_h2d(self) -> None:
         """Make the compute stream wait for the data, then release the host buffers ("h2d" -> "device")."""
-        self._expect(SwapState.H2D, "SwapTensors.wait_h2d")
+        if self.stat is not SwapState.H2D:  # checked inline: every transition passes here
+            self._expect(SwapState.H2D, "SwapTensors.wait_h2d")
         if not self.kept_on_device and self._entries:
-            _wait_on_compute(self._streams(), self._event)
+            _wait_on_compute(self._ds or self._streams(), self._event)
             self._event = None
             unguard(self._freed_tensors())
             self._release_host_buffers()
