@@ -350,10 +350,8 @@ class SwapLayerInputManager:
         self._forget(group)
 
     def _forget(self, group: SwapTensors) -> None:
-        for idx, g in enumerate(self.batch_stack):
-            if g is group:
-                del self.batch_stack[idx]
-                return
+        if group in self.batch_stack:  # groups compare by identity
+            self.batch_stack.remove(group)
 
     # --- class-level helpers ------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class _StorageEntry:
     host: torch.Tensor | None = None
     host_event: object = None  # the last copy of a reused host buffer, to order ours after
     span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
+    host_nbytes: int = 0  # bytes copied: nbytes, or the span's length
 
     def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
         """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
@@ -123,9 +124,6 @@ class _StorageEntry:
             lo, hi = self.span
             ds.copy(stream, _bytes_view(self.storage, lo, hi - lo), self.host)
 
-    @property
-    def host_nbytes(self) -> int:
-        return self.nbytes if self.span is None else self.span[1] - self.span[0]
 
 
 # One empty uint8 tensor per device, whose new_empty() makes each byte view.
@@ -154,14 +152,15 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
                 continue
-            entries[key] = _StorageEntry(storage, nbytes, [t], [])
+            entries[key] = _StorageEntry(storage, nbytes, [t], [], host_nbytes=nbytes)
         else:
             e.tensors.append(t)
     if copy_span:
         for e in entries.values():
             if not _spans_all(e):
-                span = byte_span(e.tensors)
-                e.span = None if span == (0, e.nbytes) else span
+                lo, hi = byte_span(e.tensors)
+                if (lo, hi) != (0, e.nbytes):
+                    e.span, e.host_nbytes = (lo, hi), hi - lo
     return list(entries.values())
 
 
@@ -213,6 +212,7 @@ class SwapTensors:
         self._measure()
         self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
+        self._pinned: bool | None = None
         self.stat = SwapState.DEVICE
         self.kept_on_device = False
         self._event = None
@@ -399,7 +399,10 @@ class SwapTensors:
         return self._ds
 
     def _pin(self) -> bool:
-        return self.config.pin_memory and self._streams().pin_memory
+        """Whether our host buffers are pinned (asked once: it is the pool's bucket key too)."""
+        if self._pinned is None:
+            self._pinned = self.config.pin_memory and self._streams().pin_memory
+        return self._pinned
 
     def _acquire_host_buffers(self) -> bool:
         """Give every entry a host buffer; False when host memory ran out and policy keeps data."""
@@ -452,8 +455,10 @@ class SwapTensors:
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
 
-    def _freed_tensors(self) -> Iterable[torch.Tensor]:
-        return (t for e in self._entries for t in e.tensors)
+    def _freed_tensors(self) -> list[torch.Tensor]:
+        if len(self._entries) == 1:  # one layer input: its tensors as they are
+            return self._entries[0].tensors
+        return [t for e in self._entries for t in e.tensors]
 
     def _snapshot_versions(self) -> None:
         for e in self._entries:
