@@ -124,14 +124,14 @@ def _source_died(key: int, nbytes: int) -> None:
         if key not in _host_bytes or key in _released:
             return  # already brought back: the graph kept the source past its restore
         _released[key] = nbytes
-    stats.record(device_bytes_released=nbytes)
+    stats.record_released(nbytes)
 
 
 def _unrelease(key: int) -> None:
     with _lock:
         nbytes = _released.pop(key, 0)
     if nbytes:
-        stats.record(device_bytes_released=-nbytes)
+        stats.record_released(-nbytes)
 
 
 def _output_died(key: int, transfer: _Transfer) -> None:
@@ -164,7 +164,7 @@ def _reset_pending() -> None:
         _transfers.clear()
         _released.clear()
     if released:
-        stats.record(device_bytes_released=-released)
+        stats.record_released(-released)
     if dropped:
         host_pool().forget(dropped)
     for buf in held:
@@ -214,7 +214,7 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     with _lock:
         _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
     _track_host_buffer(buf)
-    stats.record(swap_outs=1, swapped_out_bytes=_nbytes(x))
+    stats.record_swap_out(_nbytes(x))
     return host
 
 
@@ -246,7 +246,7 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     with _lock:
         _transfers[out.data_ptr()] = transfer
     weakref.finalize(out.untyped_storage(), _output_died, out.data_ptr(), transfer)
-    stats.record(swap_ins=1, swapped_in_bytes=_nbytes(host))
+    stats.record_swap_in(_nbytes(host))
     return out
 
 

@@ -6,7 +6,16 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-__all__ = ["SwapStats", "clear", "record", "set_host_gauges", "snapshot"]
+__all__ = [
+    "SwapStats",
+    "clear",
+    "record",
+    "record_released",
+    "record_swap_in",
+    "record_swap_out",
+    "set_host_gauges",
+    "snapshot",
+]
 
 
 @dataclasses.dataclass
@@ -53,8 +62,9 @@ class SwapStats:
 
 
 _lock = threading.Lock()
-# The counters live in a plain dict: record() runs a few times per swapped layer per step, and
-# a dict update is several times cheaper than getattr/setattr on the dataclass.
+# The counters live in a plain dict: they change a few times per swapped layer per step, and a
+# dict update is several times cheaper than getattr/setattr on the dataclass. The transitions
+# every swap makes have their own record_* function: no keyword dict to build and walk.
 # The host gauges are the host buffer pool's own figures (see set_host_gauges): the pool keeps
 # them as it hands buffers out, so taking and giving back a buffer costs no record() call.
 _HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reserved",
@@ -85,6 +95,31 @@ def record(**deltas: int) -> None:
             counts[name] += delta
         if counts["device_bytes_released"] > counts["peak_device_bytes_released"]:
             counts["peak_device_bytes_released"] = counts["device_bytes_released"]
+
+
+def record_swap_out(nbytes: int) -> None:
+    """A copy of ``nbytes`` to the host started (``swap_outs``, ``swapped_out_bytes``)."""
+    with _lock:
+        _counts["swap_outs"] += 1
+        _counts["swapped_out_bytes"] += nbytes
+
+
+def record_swap_in(nbytes: int, device_bytes_back: int = 0) -> None:
+    """A copy of ``nbytes`` back to the device started (``swap_ins``, ``swapped_in_bytes``),
+    into ``device_bytes_back`` bytes of device memory allocated again for it."""
+    with _lock:
+        _counts["swap_ins"] += 1
+        _counts["swapped_in_bytes"] += nbytes
+        _counts["device_bytes_released"] -= device_bytes_back
+
+
+def record_released(nbytes: int) -> None:
+    """``nbytes`` of device memory freed (negative: allocated again), keeping the peak."""
+    with _lock:
+        value = _counts["device_bytes_released"] + nbytes
+        _counts["device_bytes_released"] = value
+        if value > _counts["peak_device_bytes_released"]:
+            _counts["peak_device_bytes_released"] = value
 
 
 def snapshot() -> SwapStats:

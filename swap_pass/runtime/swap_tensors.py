@@ -264,7 +264,7 @@ class SwapTensors:
                     e.host_event = None
                 e.copy_out(ds, stream)
             self._event = _record(ds, stream)
-            stats.record(swap_outs=1, swapped_out_bytes=self.host_nbytes)
+            stats.record_swap_out(self.host_nbytes)
         self.stat = SwapState.D2H
 
     def wait_d2h(self) -> None:
@@ -279,7 +279,7 @@ class SwapTensors:
             for e in self._entries:
                 ds.free_storage(e.storage)
             guard_freed(self._freed_tensors(), self.name or "a swap group", self)
-            stats.record(device_bytes_released=self.nbytes)
+            stats.record_released(self.nbytes)
         self.stat = SwapState.HOST
 
     def swap_to_device(self, stream: torch.Stream | None = None) -> None:
@@ -295,8 +295,7 @@ class SwapTensors:
             for e in self._entries:
                 e.copy_in(ds, stream)
             self._event = _record(ds, stream)
-            stats.record(device_bytes_released=-self.nbytes, swap_ins=1,
-                         swapped_in_bytes=self.host_nbytes)
+            stats.record_swap_in(self.host_nbytes, device_bytes_back=self.nbytes)
         self.stat = SwapState.H2D
 
     def wait_h2d(self) -> None:
@@ -337,7 +336,7 @@ class SwapTensors:
                 _wait_on_compute(self._streams(), self._event)
                 unguard(self._freed_tensors())
             elif not self.kept_on_device:
-                stats.record(device_bytes_released=-self.nbytes)
+                stats.record_released(-self.nbytes)
             self._release_host_buffers()
         self._leave_registry()
         self._entries = []
