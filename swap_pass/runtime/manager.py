@@ -21,7 +21,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -67,20 +67,17 @@ def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
     return SwapLayerInputManager(token.name, custom_check_fn, prefetch, config)
 
 
-class _Place(NamedTuple):
-    """A manager's place in ``manager_map`` as of ``version`` (see ``_map_version``)."""
+def _renumber(layers: list[SwapLayerInputManager]) -> None:
+    """Give each manager of one tag its place in ``layers`` (call with ``_map_lock`` held).
 
-    version: int
-    registered: bool
-    previous: SwapLayerInputManager | None
-    next: SwapLayerInputManager | None
-    is_last: bool
-    name: str
-
-
-def _map_changed() -> None:
-    """Invalidate every manager's cached place (call with ``_map_lock`` held)."""
-    SwapLayerInputManager._map_version += 1
+    Places are plain attributes, set here at every change of ``manager_map`` (construction,
+    re-registration, unregister, reset) rather than looked up at each of the several reads per
+    layer call.
+    """
+    last = len(layers) - 1
+    for idx, manager in enumerate(layers):
+        manager._set_place(idx, layers[idx - 1] if idx > 0 else None,
+                           layers[idx + 1] if idx < last else None)
 
 
 class SwapLayerInputManager:
@@ -96,6 +93,10 @@ class SwapLayerInputManager:
     Attributes:
         manager_map: Class-level ``{module_tag: [manager, ...]}`` in construction order.
         layer_idx: This manager's position in its tag's list.
+        previous: The manager of the layer before this one, if any (None once unregistered).
+        next: The manager of the layer after this one, if any (None once unregistered).
+        is_last_layer: True for the last layer of the tag, whose input is never swapped.
+        name: The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``.
         batch_stack: FIFO of this layer's groups in flight, one per micro-batch.
     """
 
@@ -106,9 +107,6 @@ class SwapLayerInputManager:
     # Per tag, the managers that started a device-to-host copy not yet known to be over, so that
     # finding earlier layers' copies at every layer call does not walk every earlier manager.
     _copying: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
-    # Bumped at every change of manager_map, so that each manager can keep its place in it
-    # (read several times per layer call) until the next change; see _place().
-    _map_version: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -125,12 +123,10 @@ class SwapLayerInputManager:
         self.prefetch_enabled = prefetch and self.config.prefetch
         self.batch_stack: list[SwapTensors] = []
         self._preflighted: set[int] = set()
-        self._place_cache: _Place | None = None
         with self._map_lock:
             layers = self.manager_map.setdefault(module_tag, [])
-            self.layer_idx = len(layers)
             layers.append(self)
-            _map_changed()
+            _renumber(layers)
 
     def __repr__(self) -> str:
         return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, layer_idx={self.layer_idx}, "
@@ -154,44 +150,18 @@ class SwapLayerInputManager:
         """Number of managers under this manager's tag."""
         return len(self.manager_map.get(self.module_tag, ()))
 
-    @property
-    def is_last_layer(self) -> bool:
-        """True for the last layer of the tag, whose input is never swapped."""
-        return self._place().is_last
+    def _set_place(self, idx: int, previous: SwapLayerInputManager | None,
+                   next: SwapLayerInputManager | None, *, registered: bool = True) -> None:
+        self.layer_idx = idx
+        self.previous = previous
+        self.next = next
+        self.is_last_layer = registered and next is None
+        self.name = f"{self.module_tag}.layers[{idx}]"
+        self._in_map = registered
 
-    @property
-    def previous(self) -> SwapLayerInputManager | None:
-        """The manager of the layer before this one, if any (None once unregistered)."""
-        return self._place().previous
-
-    @property
-    def next(self) -> SwapLayerInputManager | None:
-        """The manager of the layer after this one, if any (None once unregistered)."""
-        return self._place().next
-
-    def _registered(self) -> bool:
-        return self._place().registered
-
-    def _place(self) -> _Place:
-        """Where this manager stands in ``manager_map``, recomputed only after it changed."""
-        place = self._place_cache
-        if place is None or place.version != SwapLayerInputManager._map_version:
-            place = self._place_cache = self._locate()
-        return place
-
-    def _locate(self) -> _Place:
-        version = SwapLayerInputManager._map_version  # read first: a change meanwhile re-runs us
-        layers = self.manager_map.get(self.module_tag, ())
-        idx = self.layer_idx
-        registered = idx < len(layers) and layers[idx] is self
-        return _Place(
-            version=version,
-            registered=registered,
-            previous=layers[idx - 1] if registered and idx > 0 else None,
-            next=layers[idx + 1] if registered and idx + 1 < len(layers) else None,
-            is_last=idx == len(layers) - 1,
-            name=f"{self.module_tag}.layers[{idx}]",
-        )
+    def _drop_place(self) -> None:
+        """Out of ``manager_map``: no neighbours until registered again (index kept)."""
+        self._set_place(self.layer_idx, None, None, registered=False)
 
     def ensure_registered(self) -> None:
         """Called at each layer call: after :func:`swap_pass.reset`, register again.
@@ -199,20 +169,18 @@ class SwapLayerInputManager:
         The managers of the tag that reset() dropped come back together, in their old order,
         so that the first step after a reset swaps exactly like the steps before it.
         """
-        if self._registered():  # every call but the first after a reset
+        if self._in_map:  # every call but the first after a reset
             return
         with self._map_lock:
-            layers = self.manager_map.get(self.module_tag, [])
-            if self.layer_idx < len(layers) and layers[self.layer_idx] is self:
+            if self._in_map:
                 return
             retired = [ref() for ref in self._retired.pop(self.module_tag, [])]
             peers = [m for m in retired if m is not None]
             for manager in peers if self in peers else [*peers, self]:
                 layers = self.manager_map.setdefault(self.module_tag, [])
                 if manager not in layers:
-                    manager.layer_idx = len(layers)
                     layers.append(manager)
-            _map_changed()
+            _renumber(self.manager_map[self.module_tag])
 
     def unregister(self) -> None:
         """Drop this manager from ``manager_map`` (restoring its groups) and renumber the rest."""
@@ -223,18 +191,12 @@ class SwapLayerInputManager:
                 layers.remove(self)
             copying = self._copying.get(self.module_tag, [])
             copying[:] = [m for m in copying if m is not self]
-            for idx, manager in enumerate(layers):
-                manager.layer_idx = idx
+            self._drop_place()
+            _renumber(layers)
             if not layers:
                 self.manager_map.pop(self.module_tag, None)
-            _map_changed()
 
     # --- forward side -------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        """The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``."""
-        return self._place().name
 
     def claim(self, tensors: Iterable[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
         """The layer inputs that may leave the device, decided at the layer's entry.
@@ -272,20 +234,23 @@ class SwapLayerInputManager:
         is not registered.
         """
         copying = self._copying.get(self.module_tag)
-        if not copying or not self._registered():
+        if not copying or not self._in_map:
             return []
-        found, still = [], []
+        idx, found, still = self.layer_idx, [], []
+        d2h = SwapState.D2H
         for manager in copying:
-            groups = [g for g in manager.batch_stack if g.stat is SwapState.D2H]
-            if groups:  # unregister() and reset_all() drop managers from the index
-                still.append(manager)
-                if manager.layer_idx < self.layer_idx:
-                    found.append((manager, groups))
-        if len(still) != len(copying):
+            earlier = manager.layer_idx < idx
+            for group in manager.batch_stack:
+                if group.stat is d2h:
+                    if not still or still[-1] is not manager:
+                        still.append(manager)
+                    if earlier:
+                        found.append((manager, group))
+        if len(still) != len(copying):  # unregister() and reset_all() drop managers too
             copying[:] = still
-        if len(found) > 1:
+        if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
             found.sort(key=lambda entry: -entry[0].layer_idx)
-        return [(manager, g) for manager, groups in found for g in groups]
+        return found
 
     def preflight_for(self, group_nbytes: int) -> None:
         """Before the first step of a shape: check the host can hold every layer's group at once.
@@ -372,7 +337,7 @@ class SwapLayerInputManager:
             for tag, layers in list(cls.manager_map.items()):
                 for manager in layers:
                     manager.clear()
+                    manager._drop_place()
                 cls._retired[tag] = [weakref.ref(m) for m in layers]
             cls.manager_map.clear()
             cls._copying.clear()
-            _map_changed()
