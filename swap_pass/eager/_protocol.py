@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs, in_backward
+from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import may_free
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
@@ -89,6 +89,7 @@ _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 # last layer has run: every earlier unguarded group is back on the device then. (A group that a
 # racing thread's clear hides is freed by no one: kept on the device, never read freed.)
 _MAYBE_UNGUARDED: set[str] = set()
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside backward; see in_backward()
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     Any exception on the way (the layer itself, an in-place write caught at free time) brings
     every group of the layer's tag back to the device before it propagates.
     """
-    if in_backward():  # recomputation inside backward: the input is already back
+    if _graph_task_id() != -1:  # in_backward(): a recomputation, the input is already back
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
     manager.ensure_registered()

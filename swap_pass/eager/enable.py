@@ -50,7 +50,9 @@ class _SwappedForward:
         return self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _protocol.run_layer(self.layer, self.__wrapped__, args, kwargs, _API)
+        layer, inner = self.layer, self.inner  # __wrapped__, without a property call per layer
+        call = inner if inner is not None else type(layer).forward.__get__(layer)
+        return _protocol.run_layer(layer, call, args, kwargs, _API)
 
 
 def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:

@@ -110,15 +110,17 @@ class HostBufferPool:
         Raises:
             HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
         """
-        self.drain_deferred()
-        key = (nbytes, pin)
+        if self._deferred or self._unread:  # what drain_deferred() checks first, spared a call
+            self.drain_deferred()
         with self._lock:
-            bucket = self._free.get(key)
-            if bucket:
+            bucket = self._free.get((nbytes, pin))
+            if bucket:  # a reused buffer: _take(nbytes, fresh=False), inline on the hot path
                 buf = bucket.pop()
                 event = self._events.pop(buf.data_ptr(), None) if self._events else None
                 self._free_bytes -= nbytes
-                self._take(nbytes, fresh=False)
+                self._in_use_bytes += nbytes
+                if self._in_use_bytes > self._peak_in_use_bytes:
+                    self._peak_in_use_bytes = self._in_use_bytes
                 return buf, event
             self._make_room(nbytes, max_host_bytes)
         buf = self._allocate(nbytes, pin)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -44,9 +45,9 @@ def owner(storage: torch.UntypedStorage) -> _Group | None:
     return ref() if ref is not None else None
 
 
-def claim(group: _Group, storage: torch.UntypedStorage) -> None:
-    """Make ``group`` the one live holder of ``storage``; an older holder drops it."""
-    key = storage_key(storage)
+def claim(group: _Group, key: int) -> None:
+    """Make ``group`` the one live holder of the storage ``key`` (its :func:`storage_key`); an
+    older holder drops it."""
     with _lock:
         ref = _owners.get(key)
         _owners[key] = weakref.ref(group)
@@ -55,14 +56,16 @@ def claim(group: _Group, storage: torch.UntypedStorage) -> None:
         previous.drop_storage(key)
 
 
-def release_all(group: _Group, storages: list[torch.UntypedStorage]) -> None:
-    """Forget ``group`` as the holder of ``storages`` (its data is back, or it was dropped)."""
+def release_all(group: _Group, keys: Iterable[int]) -> None:
+    """Forget ``group`` as the holder of the storages ``keys`` (its data is back, or it was
+    dropped)."""
     with _lock:
-        for storage in storages:
-            key = storage_key(storage)
+        for key in keys:
             ref = _owners.get(key)
-            if ref is not None and ref() in (group, None):
-                del _owners[key]
+            if ref is not None:
+                held = ref()
+                if held is group or held is None:
+                    del _owners[key]
 
 
 def clear() -> None:

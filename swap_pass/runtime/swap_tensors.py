@@ -100,6 +100,7 @@ class _StorageEntry:
     """One distinct storage of the group and what it needs to be restored."""
 
     storage: torch.UntypedStorage
+    key: int  # live_groups.storage_key(storage), read once
     nbytes: int
     tensors: list[torch.Tensor]
     versions: list[int]  # the tensors' versions when the copy out started
@@ -152,7 +153,7 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
                 continue
-            entries[key] = _StorageEntry(storage, nbytes, [t], [], host_nbytes=nbytes)
+            entries[key] = _StorageEntry(storage, key, nbytes, [t], [], host_nbytes=nbytes)
         else:
             e.tensors.append(t)
     if copy_span:
@@ -251,7 +252,7 @@ class SwapTensors:
             self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
         self._snapshot_versions()
         for e in self._entries:  # see Note: [One storage, one live group]
-            live_groups.claim(self, e.storage)
+            live_groups.claim(self, e.key)
         if not self._acquire_host_buffers():
             self.kept_on_device = True
         elif self._entries:
@@ -431,14 +432,16 @@ class SwapTensors:
         _holding_host_buffers.pop(id(self), None)
 
     def _leave_registry(self) -> None:
-        live_groups.release_all(self, [e.storage for e in self._entries])
+        entries = self._entries
+        live_groups.release_all(self, [entries[0].key] if len(entries) == 1 else
+                                [e.key for e in entries])
 
     def drop_storage(self, key: int) -> None:
         """A newer group took over a storage of ours (see Note: [One storage, one live group])."""
         if self.stat not in (SwapState.DEVICE, SwapState.D2H):
             return  # freed storages are never claimed; nothing to give up
         for idx, e in enumerate(self._entries):
-            if live_groups.storage_key(e.storage) == key:
+            if e.key == key:
                 if e.host is not None:
                     host_pool().release(e.host, self._event)  # our copy may still write it
                 del self._entries[idx]
