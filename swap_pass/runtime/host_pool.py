@@ -32,6 +32,7 @@ import threading
 import torch
 
 from swap_pass.runtime import stats
+from swap_pass.runtime import device as _device
 from swap_pass.runtime.device import host_buffer_released
 from swap_pass.runtime.errors import HostMemoryError
 
@@ -99,7 +100,7 @@ class HostBufferPool:
                 self._events[buf.data_ptr()] = event
         return buf
 
-    def take(self, nbytes: int, *, pin: bool,
+    def take(self, nbytes: int, pin: bool,
              max_host_bytes: int | None = None) -> tuple[torch.Tensor, object]:
         """Return a host buffer of exactly ``nbytes`` bytes and the event of its last copy.
 
@@ -128,7 +129,7 @@ class HostBufferPool:
             self._take(nbytes, fresh=True)
         return buf, None
 
-    def release(self, buf: torch.Tensor, event: object = None, *, pinned: bool | None = None) -> None:
+    def release(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
         """Give ``buf`` back for reuse.
 
         Args:
@@ -208,7 +209,8 @@ class HostBufferPool:
                 stats.record(**stat_deltas)
 
     def _put_back(self, buf: torch.Tensor, pinned: bool | None = None) -> None:
-        host_buffer_released(buf)
+        if _device._cpu_model is not None:  # checked here: one call fewer per buffer otherwise
+            host_buffer_released(buf)
         nbytes = buf.numel()
         key = (nbytes, buf.is_pinned() if pinned is None else pinned)
         with self._lock:

@@ -47,6 +47,7 @@ from swap_pass.runtime.ownership import byte_span
 __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap"]
 
 _DEFAULT_CONFIG = SwapConfig()
+_POOL = host_pool()  # process-wide, never replaced: read once instead of a call per transition
 _warned_keep_on_device = False
 # Groups holding host buffers, so that reset() reaches those no manager tracks; see
 # discard_groups_off_device(). By id, with the group's plain weak reference (the one the freed
@@ -141,9 +142,11 @@ def _bytes_view(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torc
     return view.set_(storage, offset, (nbytes,), (1,))
 
 
-def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
+def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
                       copy_span: bool = False) -> list[_StorageEntry]:
     """One entry per distinct storage that holds bytes, at least ``min_bytes`` of them."""
+    if len(tensors) == 1:  # one layer input: no dict of storages to build
+        return _one_entry(tensors, min_bytes, copy_span)
     entries: dict[int, _StorageEntry] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -159,10 +162,28 @@ def _group_by_storage(tensors: Iterable[torch.Tensor], min_bytes: int,
     if copy_span:
         for e in entries.values():
             if not _spans_all(e):
-                lo, hi = byte_span(e.tensors)
-                if (lo, hi) != (0, e.nbytes):
-                    e.span, e.host_nbytes = (lo, hi), hi - lo
+                _narrow_to_span(e)
     return list(entries.values())
+
+
+def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
+    """:func:`_group_by_storage` of one tensor."""
+    t = tensors[0]
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0 or nbytes < min_bytes:
+        return []
+    e = _StorageEntry(storage, storage._cdata, nbytes, [t], [], host_nbytes=nbytes)
+    if copy_span and not _spans_all(e):
+        _narrow_to_span(e)
+    return [e]
+
+
+def _narrow_to_span(e: _StorageEntry) -> None:
+    """Copy only the bytes ``e``'s tensors span, when that is less than the whole storage."""
+    lo, hi = byte_span(e.tensors)
+    if (lo, hi) != (0, e.nbytes):
+        e.span, e.host_nbytes = (lo, hi), hi - lo
 
 
 def _spans_all(e: _StorageEntry) -> bool:
@@ -186,7 +207,8 @@ class SwapTensors:
             ``swap_pass/runtime/ownership.py``); the rest of the storage reads as garbage after
             the restore. Default: ``False`` (whole storages).
         checked: The tensors passed :func:`is_valid_for_swap` already (a manager's claim at
-            the layer's entry); only storages freed since are left out. Default: ``False``.
+            the layer's entry) and ``config`` is validated (the manager's); only storages freed
+            since are left out. Default: ``False``.
 
     Attributes:
         stat: ``"device"``, ``"d2h"``, ``"host"`` or ``"h2d"``.
@@ -205,13 +227,21 @@ class SwapTensors:
         copy_span: bool = False,
         checked: bool = False,
     ) -> None:
-        self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
+        if checked:
+            self.config = config or _DEFAULT_CONFIG
+            self.tensors = list(tensors)
+        else:
+            self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
+            self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        self.tensors = (list(tensors) if checked else
-                        [t for t in tensors if is_valid_for_swap(t, custom_check_fn)])
-        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
-        self._measure()
-        self.device = self._common_device()
+        entries = self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes,
+                                                    copy_span)
+        if len(entries) == 1:  # one layer input: its sizes and device as they are
+            e = entries[0]
+            self._nbytes, self._host_nbytes, self.device = e.nbytes, e.host_nbytes, e.storage.device
+        else:
+            self._measure()
+            self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self._pinned: bool | None = None
         self.stat = SwapState.DEVICE
@@ -250,22 +280,25 @@ class SwapTensors:
         """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
         if self.stat is not SwapState.DEVICE:  # checked inline: every transition passes here
             self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
-        self._snapshot_versions()
         for e in self._entries:  # see Note: [One storage, one live group]
+            tensors = e.tensors
+            e.versions = ([tensors[0]._version] if len(tensors) == 1 else
+                          [t._version for t in tensors])
             live_groups.claim(self, e.key)
         if not self._acquire_host_buffers():
             self.kept_on_device = True
         elif self._entries:
             ds = self._ds or self._streams()
             stream = stream or ds.d2h_stream()
-            _order_after_compute(ds, stream)
+            if stream is not None:  # None only where copies are synchronous: nothing to order
+                ds.wait(stream, ds.record_event(ds.compute_stream()))
             for e in self._entries:
                 if e.host_event is not None:
                     ds.wait(stream, e.host_event)
                     e.host_event = None
                 e.copy_out(ds, stream)
-            self._event = _record(ds, stream)
-            stats.record_swap_out(self.host_nbytes)
+            self._event = None if stream is None else ds.record_event(stream)
+            stats.record_swap_out(self._host_nbytes)
         self.stat = SwapState.D2H
 
     def wait_d2h(self) -> None:
@@ -273,14 +306,17 @@ class SwapTensors:
         if self.stat is not SwapState.D2H:  # checked inline: every transition passes here
             self._expect(SwapState.D2H, "SwapTensors.wait_d2h")
         self._check_unmodified("between swap_to_host() and wait_d2h()")
-        if not self.kept_on_device and self._entries:
+        entries = self._entries
+        if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            _wait_on_compute(ds, self._event)
-            self._event = None
-            for e in self._entries:
+            if self._event is not None:
+                ds.wait(ds.compute_stream(), self._event)
+                self._event = None
+            for e in entries:
                 ds.free_storage(e.storage)
-            guard_freed(self._freed_tensors(), self.name or "a swap group", self)
-            stats.record_released(self.nbytes)
+            guard_freed(entries[0].tensors if len(entries) == 1 else self._freed_tensors(),
+                        self.name or "a swap group", self)  # inline: one call fewer per layer
+            stats.record_released(self._nbytes)
         self.stat = SwapState.HOST
 
     def swap_to_device(self, stream: torch.Stream | None = None) -> None:
@@ -292,23 +328,29 @@ class SwapTensors:
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
             stream = stream or ds.h2d_stream()
-            _order_after_compute(ds, stream)
+            if stream is not None:
+                ds.wait(stream, ds.record_event(ds.compute_stream()))
             for e in self._entries:
                 e.copy_in(ds, stream)
-            self._event = _record(ds, stream)
-            stats.record_swap_in(self.host_nbytes, device_bytes_back=self.nbytes)
+            self._event = None if stream is None else ds.record_event(stream)
+            stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = SwapState.H2D
 
     def wait_h2d(self) -> None:
         """Make the compute stream wait for the data, then release the host buffers ("h2d" -> "device")."""
         if self.stat is not SwapState.H2D:  # checked inline: every transition passes here
             self._expect(SwapState.H2D, "SwapTensors.wait_h2d")
-        if not self.kept_on_device and self._entries:
-            _wait_on_compute(self._ds or self._streams(), self._event)
-            self._event = None
-            unguard(self._freed_tensors())
+        entries = self._entries
+        if not self.kept_on_device and entries:
+            if self._event is not None:
+                ds = self._ds or self._streams()
+                ds.wait(ds.compute_stream(), self._event)
+                self._event = None
+            unguard(entries[0].tensors if len(entries) == 1 else self._freed_tensors())
             self._release_host_buffers()
-        self._leave_registry()
+        if entries:  # see Note: [One storage, one live group]
+            live_groups.release_all(self, [entries[0].key] if len(entries) == 1 else
+                                    [e.key for e in entries])
         self.kept_on_device = False
         self.stat = SwapState.DEVICE
 
@@ -383,8 +425,6 @@ class SwapTensors:
             raise SwapStateError(api, self.stat.value, state.value, self.name)
 
     def _common_device(self) -> torch.device | None:
-        if len(self._entries) == 1:  # the common case: one layer input
-            return self._entries[0].storage.device
         devices = {e.storage.device for e in self._entries}
         if len(devices) > 1:
             raise ValueError(
@@ -408,12 +448,11 @@ class SwapTensors:
         """Give every entry a host buffer; False when host memory ran out and policy keeps data."""
         if not self._entries:
             return True
-        pool, pin = host_pool(), self._pin()
+        pin = self._pinned if self._pinned is not None else self._pin()
         _holding_host_buffers[id(self)] = weakref.ref(self)
         try:
             for e in self._entries:
-                e.host, e.host_event = pool.take(e.host_nbytes, pin=pin,
-                                                 max_host_bytes=self.config.max_host_bytes)
+                e.host, e.host_event = _POOL.take(e.host_nbytes, pin, self.config.max_host_bytes)
         except HostMemoryError:
             self._release_host_buffers()
             if self.config.on_host_exhausted == OnHostExhausted.ERROR:
@@ -424,10 +463,10 @@ class SwapTensors:
         return True
 
     def _release_host_buffers(self, event: object = None) -> None:
-        pool, pinned = host_pool(), self._pin()
+        pinned = self._pinned if self._pinned is not None else self._pin()
         for e in self._entries:
             if e.host is not None:
-                pool.release(e.host, event, pinned=pinned)
+                _POOL.release(e.host, event, pinned)
                 e.host = None
         _holding_host_buffers.pop(id(self), None)
 
@@ -458,13 +497,8 @@ class SwapTensors:
         self.stat = SwapState.DEVICE
 
     def _freed_tensors(self) -> list[torch.Tensor]:
-        if len(self._entries) == 1:  # one layer input: its tensors as they are
-            return self._entries[0].tensors
-        return [t for e in self._entries for t in e.tensors]
-
-    def _snapshot_versions(self) -> None:
-        for e in self._entries:
-            e.versions = [t._version for t in e.tensors]
+        entries = self._entries
+        return entries[0].tensors if len(entries) == 1 else [t for e in entries for t in e.tensors]
 
     def _check_unmodified(self, when: str) -> None:
         for e in self._entries:
@@ -476,20 +510,6 @@ class SwapTensors:
                         f"(version {v} -> {t._version}). A swapped tensor must not be written "
                         "between swap-out and swap-in; clone it before modifying it."
                     )
-
-
-def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
-    """Make ``stream`` wait for the work queued so far on the compute stream.
-
-    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
-    """
-    if stream is not None:
-        ds.wait(stream, ds.record_event(ds.compute_stream()))
-
-
-def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
-    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
-    return None if stream is None else ds.record_event(stream)
 
 
 def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
