@@ -57,8 +57,23 @@ def _first_parameter(module: torch.nn.Module) -> torch.nn.Parameter | None:
     return None
 
 
-def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str) -> None:
-    """Raise when ``hidden_states`` is on another device than the layer's parameters."""
+def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str,
+                 known: torch.nn.Parameter | None = None) -> torch.nn.Parameter | None:
+    """Raise when ``hidden_states`` is on another device than the layer's parameters.
+
+    Args:
+        layer: The layer about to run.
+        hidden_states: Its input.
+        api: Named in the error.
+        known: What the previous call returned: a parameter on the input's device passes
+            without walking the layer's modules again (``model.to()`` moves a parameter in
+            place, so it stays the layer's). Default: ``None``.
+
+    Returns:
+        The layer's first parameter (None when it has none), for the next call's ``known``.
+    """
+    if known is not None and known.device == hidden_states.device:
+        return known
     param = _first_parameter(layer)
     if param is not None and param.device != hidden_states.device:
         raise ValueError(
@@ -66,6 +81,7 @@ def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str) 
             f"{type(layer).__name__}'s parameters are on {param.device}. The layer input must be "
             "on the layer's device."
         )
+    return param
 
 
 def _tensors_in(result: Any) -> list[torch.Tensor] | None:

@@ -122,10 +122,12 @@ class BackwardGuard:
             discard_if_pending(self.manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if self.group is not None:
-            self.manager.wait_swap_in(self.group)
-            self.group.assert_on_device("BackwardGuard")
-            self._let_go()
+        group = self.group
+        if group is not None:
+            self.manager.wait_swap_in(group)  # most often back already: the next layer's guard
+            if group.stat is not SwapState.DEVICE:
+                group.assert_on_device("BackwardGuard")
+            self.group = None  # see _let_go()
         if not self.fired:
             self.fired = True
             self._ready_previous()
@@ -139,11 +141,13 @@ class BackwardGuard:
         prev, group = self.manager.previous, self._previous()
         if prev is None or group is None:
             return
-        if group.stat in (SwapState.HOST, SwapState.H2D):
+        if group.stat is SwapState.H2D or group.stat is SwapState.HOST:
             prev.wait_swap_in(group)
-        before, earlier = prev.previous, _link(group)()
-        if before is not None and earlier is not None and before.prefetch_enabled:
-            before.prefetch(earlier)
+        before = prev.previous
+        if before is not None and before.prefetch_enabled:
+            earlier = _link(group)()
+            if earlier is not None and earlier.stat is SwapState.HOST:  # before.prefetch(earlier)
+                earlier.swap_to_device()
 
     def _let_go(self) -> None:
         """Drop our references to the restored group (see Note: [Group lifetime]).
@@ -184,13 +188,20 @@ def _add_grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Non
     hooks[("swap_pass", next(_HOOK_KEYS))] = hook
 
 
+def _none() -> None:
+    return None
+
+
+_NONE = _none  # a dead link: what a weak reference to no group returns
+
+
 def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
-    return weakref.ref(group) if group is not None else lambda: None
+    return weakref.ref(group) if group is not None else _NONE
 
 
 def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
     """The previous layer's group of ``group``'s micro-batch, if it had one and it lives."""
-    return getattr(group, _PREVIOUS_ATTR, None) or (lambda: None)
+    return getattr(group, _PREVIOUS_ATTR, _NONE)
 
 
 def _in_flight_out(manager: SwapLayerInputManager | None) -> SwapTensors | None:
@@ -293,8 +304,9 @@ def _mark_region_outputs(result: Any, api: str) -> None:
 def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                  grad_at_entry: bool) -> list[torch.Tensor]:
     """At the layer's entry: the input, if it is to be swapped and may leave the device."""
-    kept = grad_at_entry or (hidden_states.requires_grad and not _in_region(hidden_states))
-    if manager.is_last_layer or not kept:
+    if manager.is_last_layer:
+        return []
+    if not grad_at_entry and not (hidden_states.requires_grad and not _in_region(hidden_states)):
         return []
     return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
 
@@ -302,12 +314,15 @@ def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
                         grad_at_entry: bool) -> None:
-    if grad_at_entry:
+    if not grad_at_entry:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at
+        _mark_region_outputs(result, api)  # layer entry])
+        outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
+    elif type(result) is torch.Tensor:  # grad_outputs() of the common return value
+        outputs = [result] if result.requires_grad else []
+        kept = bool(outputs) or hidden_states.requires_grad
+    else:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
-    else:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at layer entry])
-        _mark_region_outputs(result, api)
-        outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
         free_previous(manager, abandon=False)  # the region started waits for the next region
         return
@@ -332,13 +347,23 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     if _graph_task_id() != -1:  # in_backward(): a recomputation, the input is already back
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
-    manager.ensure_registered()
-    hidden_states = find_hidden_states(args, kwargs, api)
-    check_device(layer, hidden_states, api)
+    if not manager._in_map:  # the first call after swap_pass.reset()
+        manager.ensure_registered()
+    if args and "hidden_states" not in kwargs and type(args[0]) is torch.Tensor:
+        hidden_states = args[0]  # find_hidden_states() of the common call, layer(x, ...)
+    else:
+        hidden_states = find_hidden_states(args, kwargs, api)
+    ref = manager.layer_parameter  # weak: a registered manager must not keep a parameter alive
+    known = ref() if ref is not None else None
+    param = check_device(layer, hidden_states, api, known)
+    if param is not known:
+        manager.layer_parameter = weakref.ref(param) if param is not None else None
     try:
-        abandon_own_unguarded(manager)
+        if manager.batch_stack:
+            abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
-        guard_previous_on_input(manager, hidden_states)
+        if _MAYBE_UNGUARDED:
+            guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)

@@ -166,7 +166,6 @@ class DeviceStreams:
         storage.resize_(0)
 
 
-_CPU = torch.device("cpu")
 _streams_lock = threading.Lock()
 _streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
 # Set by swap_pass.testing.stream_model while it is active: a callable returning the modelled
@@ -176,14 +175,15 @@ _cpu_model = None
 
 def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
     """Return the (cached) :class:`DeviceStreams` of ``device``."""
-    if _cpu_model is not None and torch.device(device).type == "cpu":
-        return _cpu_model.streams(torch.device(device), use_streams)
-    if type(device) is torch.device and device.index is not None or device == _CPU:
-        # Fast path, taken on every copy: a complete device needs no normalizing, and a plain
-        # dict read is atomic (only the first call per key takes the lock below).
+    if _cpu_model is None:
+        # Fast path, taken by every swap group: keys are complete devices (a device without
+        # its index, or a string, is never one and misses), and a plain dict read is atomic
+        # (only the first call per key takes the lock below).
         cached = _streams.get((device, use_streams))
         if cached is not None:
             return cached
+    elif torch.device(device).type == "cpu":
+        return _cpu_model.streams(torch.device(device), use_streams)
     dev = torch.device(device)
     if dev.type != "cpu" and dev.index is None:
         dev = torch.device(dev.type, torch.accelerator.current_device_index())

@@ -60,7 +60,11 @@ def available_host_bytes() -> int:
 
 
 class HostBufferPool:
-    """A pool of flat ``uint8`` host tensors, bucketed by size and pinning."""
+    """A pool of contiguous host tensors, bucketed by size in bytes and pinning.
+
+    A buffer is a flat ``uint8`` tensor unless it was last taken with a ``like`` tensor (see
+    :meth:`take`); either way only its bytes count.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -100,13 +104,23 @@ class HostBufferPool:
                 self._events[buf.data_ptr()] = event
         return buf
 
-    def take(self, nbytes: int, pin: bool,
-             max_host_bytes: int | None = None) -> tuple[torch.Tensor, object]:
+    def take(self, nbytes: int, pin: bool, max_host_bytes: int | None = None,
+             like: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """Return a host buffer of exactly ``nbytes`` bytes and the event of its last copy.
 
         The event is what :meth:`take_event` would return: the caller's copy stream must wait on
         it before using the buffer (None when no copy may still touch it). One lock round for
         both, on the path every swap-out takes.
+
+        Args:
+            nbytes: The buffer's size in bytes.
+            pin: Whether it must be page-locked (part of the bucket's key).
+            max_host_bytes: ``SwapConfig.max_host_bytes``. Default: ``None`` (no cap).
+            like: A tensor of ``nbytes`` bytes: the buffer comes with its dtype and shape
+                (contiguous), so that the tensor copies into it as it is, without a byte view
+                of either side. A buffer given back keeps that shape, and the next request of
+                the same shape (the same layer in the next step) takes it without a view op.
+                Default: ``None`` (a flat ``uint8`` buffer).
 
         Raises:
             HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
@@ -122,12 +136,18 @@ class HostBufferPool:
                 self._in_use_bytes += nbytes
                 if self._in_use_bytes > self._peak_in_use_bytes:
                     self._peak_in_use_bytes = self._in_use_bytes
-                return buf, event
-            self._make_room(nbytes, max_host_bytes)
-        buf = self._allocate(nbytes, pin)
-        with self._lock:
-            self._take(nbytes, fresh=True)
-        return buf, None
+            else:
+                buf = None
+                self._make_room(nbytes, max_host_bytes)
+        if buf is None:
+            buf, event = self._allocate(nbytes, pin), None
+            with self._lock:
+                self._take(nbytes, fresh=True)
+        if like is None:
+            return (buf if buf.dtype is torch.uint8 and buf.dim() == 1 else _flat(buf)), event
+        if buf.dtype is like.dtype and buf.shape == like.shape:
+            return buf, event
+        return _flat(buf).view(like.dtype).view(like.shape), event
 
     def release(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
         """Give ``buf`` back for reuse.
@@ -211,7 +231,7 @@ class HostBufferPool:
     def _put_back(self, buf: torch.Tensor, pinned: bool | None = None) -> None:
         if _device._cpu_model is not None:  # checked here: one call fewer per buffer otherwise
             host_buffer_released(buf)
-        nbytes = buf.numel()
+        nbytes = buf.nbytes
         key = (nbytes, buf.is_pinned() if pinned is None else pinned)
         with self._lock:
             self._free.setdefault(key, []).append(buf)
@@ -276,6 +296,11 @@ class HostBufferPool:
                 "host_pool", nbytes, available_host_bytes(),
                 f"allocating a {'pinned ' if pin else ''}host buffer failed ({err})",
             ) from err
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous pool buffer as a flat ``uint8`` tensor (a view)."""
+    return buf.view(-1).view(torch.uint8)
 
 
 _pool = HostBufferPool()

@@ -98,6 +98,9 @@ class SwapLayerInputManager:
         is_last_layer: True for the last layer of the tag, whose input is never swapped.
         name: The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``.
         batch_stack: FIFO of this layer's groups in flight, one per micro-batch.
+        layer_parameter: A weak reference to the layer's first parameter, kept by the eager
+            wrappers for their device check (see ``check_device`` in
+            ``swap_pass/eager/_layer_io.py``); None until the first call.
     """
 
     manager_map: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
@@ -122,6 +125,7 @@ class SwapLayerInputManager:
                        else check_config(config, "SwapLayerInputManager"))
         self.prefetch_enabled = prefetch and self.config.prefetch
         self.batch_stack: list[SwapTensors] = []
+        self.layer_parameter: weakref.ref[torch.nn.Parameter] | None = None
         self._preflighted: set[int] = set()
         with self._map_lock:
             layers = self.manager_map.setdefault(module_tag, [])
@@ -294,7 +298,8 @@ class SwapLayerInputManager:
             if not self.batch_stack:
                 return None
             group = self.batch_stack[0]
-        group.restore()
+        if group.stat is not SwapState.DEVICE:
+            group.restore()
         self._forget(group)
         return group
 

@@ -193,6 +193,8 @@ def may_free(tensors: Sequence[torch.Tensor], layer: str) -> bool:
     now; otherwise it stays on the device, counted in ``skipped_shared_bytes``, with one warning
     per ``layer``.
     """
+    if not _shared_at_entry:  # the common case: no layer input had an outside holder
+        return True
     for t in tensors:
         if _was_shared(t) and (extra := outside_holders([t])) > 0:
             stats.record(skipped_shared_bytes=t.untyped_storage().nbytes())
