@@ -124,8 +124,9 @@ class BackwardGuard:
     def __call__(self, grad: torch.Tensor) -> None:
         group = self.group
         if group is not None:
-            self.manager.wait_swap_in(group)  # most often back already: the next layer's guard
-            if group.stat is not SwapState.DEVICE:
+            # Most often back and forgotten already: the next layer's guard restored it.
+            if group.stat is not SwapState.DEVICE or group in self.manager.batch_stack:
+                self.manager.wait_swap_in(group)
                 group.assert_on_device("BackwardGuard")
             self.group = None  # see _let_go()
         if not self.fired:
@@ -204,13 +205,18 @@ def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
     return getattr(group, _PREVIOUS_ATTR, _NONE)
 
 
-def _in_flight_out(manager: SwapLayerInputManager | None) -> SwapTensors | None:
-    """``manager``'s group of the micro-batch running now: the one still copying out."""
-    if manager is not None:
-        for g in reversed(manager.batch_stack):
-            if g.stat is SwapState.D2H:
-                return g
-    return None
+def _in_flight_out(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
+                   manager: SwapLayerInputManager | None) -> SwapTensors | None:
+    """``manager``'s group of the micro-batch running now: the newest one still copying out.
+
+    ``earlier`` is ``copying_earlier()`` of a later layer (each layer's groups in micro-batch
+    order, so the last match is the newest).
+    """
+    newest = None
+    for prev, group in earlier:
+        if prev is manager:
+            newest = group
+    return newest
 
 
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
@@ -229,13 +235,16 @@ def is_guarded(group: SwapTensors) -> bool:
 # --- forward-side steps ---------------------------------------------------------------------
 
 
-def free_previous(manager: SwapLayerInputManager, abandon: bool = True) -> None:
-    """Free earlier layers' inputs whose D2H is running; abandon the unguarded ones (if
-    ``abandon``: a later call may still guard them otherwise)."""
-    for prev, group in manager.copying_earlier():
-        if is_guarded(group) and may_free(group.tensors, prev.name):
+def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
+                  abandon: bool = True) -> None:
+    """Free earlier layers' inputs whose D2H is running (``earlier``, a manager's
+    ``copying_earlier()``); abandon the unguarded ones (if ``abandon``: a later call may still
+    guard them otherwise)."""
+    for prev, group in earlier:
+        guarded = getattr(group, _GUARDED_ATTR, False)  # is_guarded(group)
+        if guarded and may_free(group.tensors, prev.name):
             group.wait_d2h()
-        elif is_guarded(group) or abandon:
+        elif guarded or abandon:
             prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
 
 
@@ -323,10 +332,11 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
     else:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
+    earlier = manager.copying_earlier()
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
-        free_previous(manager, abandon=False)  # the region started waits for the next region
+        free_previous(earlier, abandon=False)  # the region started waits for the next region
         return
-    previous = _in_flight_out(manager.previous)  # before free_previous moves it to the host
+    previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
     group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
         setattr(group, _PREVIOUS_ATTR, _weak(previous))
@@ -334,7 +344,7 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         BackwardGuard(manager, group, previous).attach(outputs)
     elif group is not None:  # guarded by the next call whose input left the region, if any
         _MAYBE_UNGUARDED.add(manager.module_tag)
-    free_previous(manager)
+    free_previous(earlier)  # its groups are still in "d2h": our swap_out() left them alone
 
 
 def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict,

@@ -161,7 +161,10 @@ class HostBufferPool:
         """
         if self._deferred or self._unread:  # what drain_deferred() checks first, spared a call
             self.drain_deferred()
-        self._release_now(buf, event, pinned)
+        if event is not None:  # _release_now(), inline on the path every swap-in takes
+            with self._lock:
+                self._events[buf.data_ptr()] = event
+        self._put_back(buf, pinned)
 
     def _release_now(self, buf: torch.Tensor, event: object, pinned: bool | None = None) -> None:
         if event is not None:

@@ -107,9 +107,11 @@ class SwapLayerInputManager:
     _map_lock: ClassVar[threading.RLock] = threading.RLock()
     # Managers that reset() dropped, per tag in layer order: re-registered on their next use.
     _retired: ClassVar[dict[str, list[weakref.ref[SwapLayerInputManager]]]] = {}
-    # Per tag, the managers that started a device-to-host copy not yet known to be over, so that
-    # finding earlier layers' copies at every layer call does not walk every earlier manager.
-    _copying: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
+    # Per tag, ``(manager, weak reference to group)`` for the groups whose device-to-host copy a
+    # manager started and that may still be in "d2h", in start order: finding earlier layers'
+    # copies at every layer call walks these, not every earlier manager's FIFO. Weak: a group
+    # whose copy is over must not stay alive (with its tensors) until the next scan.
+    _copying: ClassVar[dict[str, list[tuple[SwapLayerInputManager, weakref.ref[SwapTensors]]]]] = {}
 
     def __init__(
         self,
@@ -194,7 +196,7 @@ class SwapLayerInputManager:
             if self in layers:
                 layers.remove(self)
             copying = self._copying.get(self.module_tag, [])
-            copying[:] = [m for m in copying if m is not self]
+            copying[:] = [entry for entry in copying if entry[0] is not self]
             self._drop_place()
             _renumber(layers)
             if not layers:
@@ -209,7 +211,10 @@ class SwapLayerInputManager:
         another live tensor shares stay (counted in :func:`swap_pass.swap_stats`).
         ``leaves_owned``: see :func:`swap_pass.runtime.ownership.swappable_layer_inputs`.
         """
-        valid = [t for t in tensors if is_valid_for_swap(t, self.custom_check_fn)]
+        valid = []  # a loop, not a comprehension: most calls pass one tensor
+        for t in tensors:
+            if is_valid_for_swap(t, self.custom_check_fn):
+                valid.append(t)
         return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned)
 
     def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
@@ -226,9 +231,10 @@ class SwapLayerInputManager:
             self.preflight_for(group.host_nbytes)
         self.batch_stack.append(group)
         group.swap_to_host()
-        copying = self._copying.setdefault(self.module_tag, [])
-        if self not in copying:  # managers compare by identity
-            copying.append(self)
+        copying = self._copying.get(self.module_tag)
+        if copying is None:
+            copying = self._copying.setdefault(self.module_tag, [])
+        copying.append((self, weakref.ref(group)))
         return group
 
     def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
@@ -240,18 +246,15 @@ class SwapLayerInputManager:
         copying = self._copying.get(self.module_tag)
         if not copying or not self._in_map:
             return []
-        idx, found, still = self.layer_idx, [], []
-        d2h = SwapState.D2H
-        for manager in copying:
-            earlier = manager.layer_idx < idx
-            for group in manager.batch_stack:
-                if group.stat is d2h:
-                    if not still or still[-1] is not manager:
-                        still.append(manager)
-                    if earlier:
-                        found.append((manager, group))
-        if len(still) != len(copying):  # unregister() and reset_all() drop managers too
-            copying[:] = still
+        idx, found, d2h, kept = self.layer_idx, [], SwapState.D2H, 0
+        for entry in copying:  # compacted in place: copies that are over leave the list
+            group = entry[1]()
+            if group is not None and group.stat is d2h:
+                copying[kept] = entry
+                kept += 1
+                if entry[0].layer_idx < idx:
+                    found.append((entry[0], group))
+        del copying[kept:]
         if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return found

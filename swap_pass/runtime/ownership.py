@@ -80,10 +80,11 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
         0 when the storage is held by ``tensors`` (and their bases) alone; see Note: [Ownership rule].
     """
     if len(tensors) == 1 and tensors[0]._base is None:  # a layer input that is no view
-        known = {id(tensors[0]): tensors[0]}
-    else:
-        known = {id(t): t for t in tensors}
-        known.update((id(t._base), t._base) for t in tensors if t._base is not None)
+        t = tensors[0]
+        extra = _use_count(t.untyped_storage()._cdata) - _ONE_HOLDER  # _holders(t) - 1
+        return extra if extra <= 0 else extra - _saved_as_output(t)
+    known = {id(t): t for t in tensors}
+    known.update((id(t._base), t._base) for t in tensors if t._base is not None)
     extra = _holders(tensors[0]) - len(known)
     if extra <= 0:  # the common case: no saved output to look for
         return extra

@@ -87,7 +87,7 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
     # plain tensor marked ``_is_param`` is an instance of Parameter too.
     if type(tensor) is not torch.Tensor or getattr(tensor, "_is_param", False):
         return False
-    if _is_view_of_parameter(tensor):
+    if tensor._base is not None and _is_view_of_parameter(tensor):
         return False
     if tensor.is_meta or tensor.layout != torch.strided:
         return False
@@ -297,25 +297,28 @@ class SwapTensors:
         """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
         if self.stat is not SwapState.DEVICE:  # checked inline: every transition passes here
             self._expect(SwapState.DEVICE, "SwapTensors.swap_to_host")
-        for e in self._entries:  # see Note: [One storage, one live group]
+        entries = self._entries
+        for e in entries:  # see Note: [One storage, one live group]
             tensors = e.tensors
             e.versions = ([tensors[0]._version] if len(tensors) == 1 else
                           [t._version for t in tensors])
             live_groups.claim(self, e.key)
-        if not self._acquire_host_buffers():
-            self.kept_on_device = True
-        elif self._entries:
+        if entries:
             ds = self._ds or self._streams()
-            stream = stream or ds.d2h_stream()
-            if stream is not None:  # None only where copies are synchronous: nothing to order
-                ds.wait(stream, ds.record_event(ds.compute_stream()))
-            for e in self._entries:
-                if e.host_event is not None:
-                    ds.wait(stream, e.host_event)
-                    e.host_event = None
-                e.copy_out(ds, stream)
-            self._event = None if stream is None else ds.record_event(stream)
-            stats.record_swap_out(self._host_nbytes)
+            if not self._acquire_host_buffers():
+                self.kept_on_device = True
+            else:
+                if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
+                    stream = ds.d2h_stream()
+                if stream is not None:
+                    ds.wait(stream, ds.record_event(ds.compute_stream()))
+                for e in entries:
+                    if e.host_event is not None:
+                        ds.wait(stream, e.host_event)
+                        e.host_event = None
+                    e.copy_out(ds, stream)
+                self._event = None if stream is None else ds.record_event(stream)
+                stats.record_swap_out(self._host_nbytes)
         self.stat = SwapState.D2H
 
     def wait_d2h(self) -> None:
@@ -344,7 +347,8 @@ class SwapTensors:
             ds = self._ds or self._streams()
             for e in self._entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
-            stream = stream or ds.h2d_stream()
+            if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
+                stream = ds.h2d_stream()
             if stream is not None:
                 ds.wait(stream, ds.record_event(ds.compute_stream()))
             for e in self._entries:
@@ -409,7 +413,8 @@ class SwapTensors:
         # A group dropped mid-flight (exception, no backward) must not keep its host buffers.
         # No locks here: see Note: [Releasing from __del__] in host_pool.py.
         try:
-            _holding_host_buffers.pop(id(self), None)
+            if _holding_host_buffers.pop(id(self), None) is None:
+                return  # the common case: every buffer went back to the pool
             bufs = [e.host for e in self._entries if e.host is not None]
             if not bufs:
                 return
@@ -451,25 +456,21 @@ class SwapTensors:
         return next(iter(devices), None)
 
     def _streams(self) -> DeviceStreams:
+        """The device's streams, looked up once; whether our host buffers are pinned with them
+        (asked once: it is the pool's bucket key too)."""
         if self._ds is None:
-            self._ds = device_streams(self.device, self.config.use_streams)
+            ds = self._ds = device_streams(self.device, self.config.use_streams)
+            self._pinned = self.config.pin_memory and ds.pin_memory
         return self._ds
 
-    def _pin(self) -> bool:
-        """Whether our host buffers are pinned (asked once: it is the pool's bucket key too)."""
-        if self._pinned is None:
-            self._pinned = self.config.pin_memory and self._streams().pin_memory
-        return self._pinned
-
     def _acquire_host_buffers(self) -> bool:
-        """Give every entry a host buffer; False when host memory ran out and policy keeps data."""
-        if not self._entries:
-            return True
-        pin = self._pinned if self._pinned is not None else self._pin()
+        """Give every entry a host buffer (after :meth:`_streams`); False when host memory ran
+        out and policy keeps the data on the device."""
+        pin, cap = self._pinned, self.config.max_host_bytes
         _holding_host_buffers[id(self)] = weakref.ref(self)
         try:
             for e in self._entries:  # dense: a host buffer shaped like the tensor
-                e.host, e.host_event = _POOL.take(e.host_nbytes, pin, self.config.max_host_bytes,
+                e.host, e.host_event = _POOL.take(e.host_nbytes, pin, cap,
                                                   e.tensors[0] if e.dense else None)
         except HostMemoryError:
             self._release_host_buffers()
@@ -481,7 +482,7 @@ class SwapTensors:
         return True
 
     def _release_host_buffers(self, event: object = None) -> None:
-        pinned = self._pinned if self._pinned is not None else self._pin()
+        pinned = self._pinned  # set with the host buffers' streams
         for e in self._entries:
             if e.host is not None:
                 _POOL.release(e.host, event, pinned)
