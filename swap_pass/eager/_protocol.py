@@ -110,8 +110,10 @@ class BackwardGuard:
         self.manager = manager
         self.group = group
         self.fired = False
-        self._previous = _link(group) if group is not None else _weak(previous)
-        if group is not None:
+        if group is None:
+            self._previous = _weak(previous)
+        else:
+            self._previous = getattr(group, _PREVIOUS_ATTR, _NONE)  # _link(group)
             setattr(group, _GUARDED_ATTR, True)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
@@ -142,7 +144,10 @@ class BackwardGuard:
         prev, group = self.manager.previous, self._previous()
         if prev is None or group is None:
             return
-        if group.stat is SwapState.H2D or group.stat is SwapState.HOST:
+        if group.stat is SwapState.H2D:  # prefetched by the guard before us: the common case
+            group.wait_h2d()  # prev.wait_swap_in(group), without its restore() dispatch
+            prev.forget(group)
+        elif group.stat is SwapState.HOST:
             prev.wait_swap_in(group)
         before = prev.previous
         if before is not None and before.prefetch_enabled:
@@ -163,6 +168,9 @@ class BackwardGuard:
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
+        if len(tensors) == 1:  # one output: the common layer
+            _add_grad_hook(tensors[0], self)
+            return
         for t in tensors:
             _add_grad_hook(t, self)
 
@@ -203,20 +211,6 @@ def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
 def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
     """The previous layer's group of ``group``'s micro-batch, if it had one and it lives."""
     return getattr(group, _PREVIOUS_ATTR, _NONE)
-
-
-def _in_flight_out(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
-                   manager: SwapLayerInputManager | None) -> SwapTensors | None:
-    """``manager``'s group of the micro-batch running now: the newest one still copying out.
-
-    ``earlier`` is ``copying_earlier()`` of a later layer (each layer's groups in micro-batch
-    order, so the last match is the newest).
-    """
-    newest = None
-    for prev, group in earlier:
-        if prev is manager:
-            newest = group
-    return newest
 
 
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
@@ -310,16 +304,6 @@ def _mark_region_outputs(result: Any, api: str) -> None:
             setattr(t, _REGION_OUTPUT_ATTR, t.grad_fn._sequence_nr())
 
 
-def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
-                 grad_at_entry: bool) -> list[torch.Tensor]:
-    """At the layer's entry: the input, if it is to be swapped and may leave the device."""
-    if manager.is_last_layer:
-        return []
-    if not grad_at_entry and not (hidden_states.requires_grad and not _in_region(hidden_states)):
-        return []
-    return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
-
-
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
                         grad_at_entry: bool) -> None:
@@ -336,7 +320,12 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
         free_previous(earlier, abandon=False)  # the region started waits for the next region
         return
-    previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
+    # The previous layer's group of the micro-batch running now: its newest one still copying
+    # out (``earlier`` has each layer's groups in micro-batch order), before free_previous frees it.
+    previous, before = None, manager.previous
+    for prev, g in earlier:
+        if prev is before:
+            previous = g
     group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
         setattr(group, _PREVIOUS_ATTR, _weak(previous))
@@ -374,7 +363,13 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         grad_at_entry = torch.is_grad_enabled()
         if _MAYBE_UNGUARDED:
             guard_previous_on_input(manager, hidden_states)
-        claimed = _claim_input(manager, hidden_states, grad_at_entry)
+        # At the entry: the input, if it is to be swapped and may leave the device (see Note:
+        # [Ownership rule] in runtime/ownership.py).
+        if manager.is_last_layer or not (
+                grad_at_entry or hidden_states.requires_grad and not _in_region(hidden_states)):
+            claimed = []
+        else:
+            claimed = manager.claim((hidden_states,))
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)
         if manager.is_last_layer:

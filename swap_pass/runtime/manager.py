@@ -303,7 +303,7 @@ class SwapLayerInputManager:
             group = self.batch_stack[0]
         if group.stat is not SwapState.DEVICE:
             group.restore()
-        self._forget(group)
+        self.forget(group)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------
@@ -320,9 +320,10 @@ class SwapLayerInputManager:
     def discard(self, group: SwapTensors) -> None:
         """Discard one group whose tensors will never be read again (its graph was freed)."""
         group.discard()
-        self._forget(group)
+        self.forget(group)
 
-    def _forget(self, group: SwapTensors) -> None:
+    def forget(self, group: SwapTensors) -> None:
+        """Drop ``group`` from the FIFO, if it is there (its data is back on the device)."""
         if group in self.batch_stack:  # groups compare by identity
             self.batch_stack.remove(group)
 

@@ -122,20 +122,18 @@ class _StorageEntry:
     dense: bool = False  # one contiguous tensor over every byte: see Note: [Dense copies]
 
     def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
-        if self.dense:  # host has the tensor's dtype and shape
-            ds.copy(stream, self.host, self.tensors[0].data)
-        elif self.span is None:  # storage to storage: no byte view to build
+        """Queue the copy of the storage (or its span) into ``host`` on ``stream`` (an entry that
+        is not ``dense``: the group copies those itself, see Note: [Dense copies])."""
+        if self.span is None:  # storage to storage: no byte view to build
             ds.copy_storage(stream, self.host.untyped_storage(), self.storage)
         else:
             lo, hi = self.span
             ds.copy(stream, self.host, _bytes_view(self.storage, lo, hi - lo))
 
     def copy_in(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream``."""
-        if self.dense:
-            ds.copy(stream, data_alias(self.tensors[0]), self.host)
-        elif self.span is None:
+        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream`` (an entry
+        that is not ``dense``)."""
+        if self.span is None:
             ds.copy_storage(stream, self.storage, self.host.untyped_storage())
         else:
             lo, hi = self.span
@@ -251,8 +249,10 @@ class SwapTensors:
             self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
             self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        entries = self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes,
-                                                    copy_span)
+        tensors = self.tensors
+        entries = self._entries = (
+            _one_entry(tensors, self.config.min_swap_bytes, copy_span) if len(tensors) == 1
+            else _group_by_storage(tensors, self.config.min_swap_bytes, copy_span))
         if len(entries) == 1:  # one layer input: its sizes and device as they are
             e = entries[0]
             self._nbytes, self._host_nbytes, self.device = e.nbytes, e.host_nbytes, e.storage.device
@@ -316,7 +316,10 @@ class SwapTensors:
                     if e.host_event is not None:
                         ds.wait(stream, e.host_event)
                         e.host_event = None
-                    e.copy_out(ds, stream)
+                    if e.dense:  # host has the tensor's dtype and shape: Note: [Dense copies]
+                        ds.copy(stream, e.host, e.tensors[0].data)
+                    else:
+                        e.copy_out(ds, stream)
                 self._event = None if stream is None else ds.record_event(stream)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = SwapState.D2H
@@ -352,7 +355,10 @@ class SwapTensors:
             if stream is not None:
                 ds.wait(stream, ds.record_event(ds.compute_stream()))
             for e in self._entries:
-                e.copy_in(ds, stream)
+                if e.dense:
+                    ds.copy(stream, data_alias(e.tensors[0]), e.host)
+                else:
+                    e.copy_in(ds, stream)
             self._event = None if stream is None else ds.record_event(stream)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = SwapState.H2D
@@ -520,6 +526,7 @@ class SwapTensors:
         return entries[0].tensors if len(entries) == 1 else [t for e in entries for t in e.tensors]
 
     def _check_unmodified(self, when: str) -> None:
+        """Raise :class:`SwapDataError` if a tensor was written since :meth:`swap_to_host`."""
         for e in self._entries:
             for t, v in zip(e.tensors, e.versions):
                 if t._version != v:
