@@ -171,11 +171,10 @@ class _ModelStreams(_device.DeviceStreams):
     def use(self, stream):
         return contextlib.nullcontext()
 
-    def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, stream, dst, src) -> None:
+        if isinstance(dst, torch.UntypedStorage):  # two storages: every byte
+            dst, src = _byte_view(dst), _byte_view(src)
         self.model.enqueue(stream or self.model.compute, dst, src)
-
-    def copy_storage(self, stream, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
-        self.copy(stream, _byte_view(dst), _byte_view(src))
 
     def free_storage(self, storage: torch.UntypedStorage) -> None:
         poison_(_byte_view(storage))

@@ -12,8 +12,9 @@ Memory comes from the allocator, not from any method's own bookkeeping and witho
 
 Achieved copy bandwidth comes from the same profiled step: on an accelerator the device's
 ``Memcpy DtoH``/``Memcpy HtoD`` records (bytes and duration, from the trace); on CPU, where
-copies are synchronous, swap_pass's own byte copies (1-D ``uint8`` ``aten::copy_``) inside the
-``bench::forward`` (D2H) and ``bench::backward`` (H2D) ranges. Other methods' copies on CPU cannot
+copies are synchronous, swap_pass's own copies (the runtime names each one's range
+``swap_pass::copy[N B]`` while the profiler records) inside the ``bench::forward`` (D2H) and
+``bench::backward`` (H2D) ranges. Other methods' copies on CPU cannot
 be told apart from the model's own, so their CPU bandwidth is left empty.
 """
 
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from swap_pass.runtime.device import COPY_RANGE
 
 __all__ = ["CopyRate", "StepProfile", "anchor_bandwidth", "intra_op_threads", "profile_step",
            "quiet_profiler", "synchronize", "warm_step_peak"]
@@ -130,15 +133,19 @@ def _ranges(events: list) -> dict[str, tuple[int, int]]:
     return out
 
 
+_COPY_RANGE = re.compile(re.escape(COPY_RANGE) + r"\[(\d+) B\]")
+
+
 def _cpu_swap_copies(events: list) -> tuple[CopyRate, CopyRate]:
-    """swap_pass's byte copies on CPU, split into forward (D2H) and backward (H2D)."""
+    """swap_pass's copies on CPU (the runtime's ``swap_pass::copy[N B]`` ranges), split into
+    forward (D2H) and backward (H2D)."""
     spans = _ranges(events)
     rates = {FORWARD_RANGE: CopyRate(), BACKWARD_RANGE: CopyRate()}
     for e in events:
-        shapes = e.shapes()
-        if e.name() != "aten::copy_" or e.dtypes()[:2] != ["unsigned char"] * 2 or len(shapes[0]) != 1:
+        match = _COPY_RANGE.fullmatch(e.name())
+        if match is None:
             continue
-        nbytes = shapes[0][0]
+        nbytes = int(match.group(1))
         for name, (lo, hi) in spans.items():
             if lo <= e.start_ns() <= hi and nbytes >= _MIN_COPY_BYTES:
                 rates[name].nbytes += nbytes

@@ -21,10 +21,13 @@ import importlib
 import threading
 
 import torch
+from torch.autograd.profiler import record_function
 
 __all__ = [
+    "COPY_RANGE",
     "DeviceStreams",
     "accelerator_type",
+    "copy_range_name",
     "device_streams",
     "is_async_device",
 ]
@@ -135,25 +138,26 @@ class DeviceStreams:
             return contextlib.nullcontext()
         return stream  # torch.Stream is a context manager that makes itself current
 
-    def copy(self, stream: torch.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
+             src: torch.Tensor | torch.UntypedStorage) -> None:
         """Copy ``src`` into ``dst`` on ``stream``, without blocking the host on an accelerator.
 
-        The caller orders ``stream`` after the producer of ``src`` (and the allocation of
-        ``dst``) first, and records an event after it for the consumer to wait on.
+        Tensors of one shape and dtype, or two storages of one size (every byte: one call instead
+        of a byte view of each side). The caller orders ``stream`` after the producer of ``src``
+        (and the allocation of ``dst``) first, and records an event after it for the consumer to
+        wait on. While ``torch.profiler`` records, the copy runs in a range named
+        :func:`copy_range_name` (``swap-pass bench`` reads CPU copy bandwidth from it).
         """
-        if stream is None:  # CPU: no stream to make current
+        if _profiling():
+            with record_function(copy_range_name(dst.nbytes if isinstance(dst, torch.Tensor)
+                                                 else dst.nbytes())):
+                self._copy(stream, dst, src)
+        elif stream is None:  # CPU: no stream to make current
             dst.copy_(src)
-            return
-        with stream:
-            dst.copy_(src, non_blocking=self.is_async)
+        else:
+            self._copy(stream, dst, src)
 
-    def copy_storage(self, stream: torch.Stream | None, dst: torch.UntypedStorage,
-                     src: torch.UntypedStorage) -> None:
-        """Copy every byte of ``src`` into ``dst`` (same size) on ``stream``, as :meth:`copy`.
-
-        One call instead of a byte view of each storage and a tensor copy: a whole-storage swap
-        copies this way (measured cheaper on the host per layer, see ``docs/results.md``).
-        """
+    def _copy(self, stream, dst, src) -> None:
         if stream is None:
             dst.copy_(src)
             return
@@ -164,6 +168,15 @@ class DeviceStreams:
     def free_storage(storage: torch.UntypedStorage) -> None:
         """Free a swapped-out storage in place (its tensors keep their metadata)."""
         storage.resize_(0)
+
+
+_profiling = torch._C._autograd._profiler_enabled
+COPY_RANGE = "swap_pass::copy"
+
+
+def copy_range_name(nbytes: int) -> str:
+    """The profiler range of one runtime copy of ``nbytes`` bytes: ``swap_pass::copy[N B]``."""
+    return f"{COPY_RANGE}[{nbytes} B]"
 
 
 _streams_lock = threading.Lock()

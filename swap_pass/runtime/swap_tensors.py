@@ -125,7 +125,7 @@ class _StorageEntry:
         """Queue the copy of the storage (or its span) into ``host`` on ``stream`` (an entry that
         is not ``dense``: the group copies those itself, see Note: [Dense copies])."""
         if self.span is None:  # storage to storage: no byte view to build
-            ds.copy_storage(stream, self.host.untyped_storage(), self.storage)
+            ds.copy(stream, self.host.untyped_storage(), self.storage)
         else:
             lo, hi = self.span
             ds.copy(stream, self.host, _bytes_view(self.storage, lo, hi - lo))
@@ -134,7 +134,7 @@ class _StorageEntry:
         """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream`` (an entry
         that is not ``dense``)."""
         if self.span is None:
-            ds.copy_storage(stream, self.storage, self.host.untyped_storage())
+            ds.copy(stream, self.storage, self.host.untyped_storage())
         else:
             lo, hi = self.span
             ds.copy(stream, _bytes_view(self.storage, lo, hi - lo), self.host)
