@@ -328,3 +328,10 @@ def test_subclass_setting_is_mtp_after_super_init_leaves_no_orphan():
     mtp = MTPLayer(CFG)
     assert not hasattr(mtp, "swap_manager")
     assert len(swap_pass.SwapLayerInputManager.managers("tests.eager")) == 1
+
+
+def test_device_check_still_fires_after_a_call_on_the_right_device():
+    layer, (cos, sin) = SwapLlamaLayer(CFG), _rope()
+    layer(torch.randn(2, 8, CFG.hidden_size, requires_grad=True), cos, sin)  # keeps its parameter
+    with pytest.raises(ValueError, match=r"hidden_states is on meta but .* parameters are on cpu"):
+        layer(torch.empty(2, 8, CFG.hidden_size, device="meta"), cos, sin)

@@ -93,3 +93,21 @@ def test_public_names() -> None:
     for f in ["swap_outs", "swap_ins", "swapped_out_bytes", "swapped_in_bytes",
               "host_bytes_in_use", "peak_host_bytes_in_use"]:
         assert f in fields
+
+
+def test_a_buffer_taken_like_a_tensor_has_its_shape_and_keeps_it() -> None:
+    pool = host_pool()
+    pool.clear()
+    like = torch.empty(3, 4, dtype=torch.float16)
+    buf, event = pool.take(like.nbytes, pin=False, like=like)
+    assert (buf.dtype, buf.shape, buf.is_contiguous(), event) == (torch.float16, like.shape, True, None)
+    assert pool.bytes_in_use == 24
+    pool.release(buf)
+    again, _ = pool.take(24, pin=False, like=like)  # the same layer's next step: no view op
+    assert again is buf
+    pool.release(again)
+    flat, _ = pool.take(24, pin=False)  # a request without a shape: the same bytes, flat uint8
+    assert (flat.dtype, flat.shape, flat.data_ptr()) == (torch.uint8, (24,), buf.data_ptr())
+    assert pool.bytes_in_use == 24 and pool.bytes_reserved == 24
+    pool.release(flat)
+    assert pool.bytes_in_use == 0

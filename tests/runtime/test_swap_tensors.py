@@ -287,3 +287,42 @@ def test_dropped_group_gives_host_bytes_back(state: str, device) -> None:
         del g
     gc.collect()
     assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+def test_dense_tensor_copies_tensor_to_tensor_without_autograd_or_version_bumps(device) -> None:
+    # See Note: [Dense copies] in swap_pass/runtime/swap_tensors.py.
+    leaf = torch.randn(4, 6, 8, device=device, requires_grad=True)
+    t = leaf.tanh()  # tanh saves its output: autograd checks t's version when it unpacks it
+    ref, version = t.detach().clone(), t._version
+    group = SwapTensors([t])
+    group.swap_to_host()
+    host = group._entries[0].host
+    assert (host.dtype, host.shape, host.requires_grad, host.grad_fn) == (t.dtype, t.shape, False, None)
+    group.wait_d2h()
+    assert t.untyped_storage().nbytes() == 0
+    group.swap_to_device()
+    group.wait_h2d()
+    assert torch.equal(t, ref) and t._version == version
+    t.sum().backward()  # would raise "modified by an inplace operation" after a version bump
+    expected = leaf.detach().clone().requires_grad_()
+    expected.tanh().sum().backward()
+    assert torch.equal(leaf.grad, expected.grad)
+
+
+def test_views_still_copy_whole_storages(device) -> None:
+    base = torch.randn(10, 10, device=device)
+    view = base[2:5]
+    group = SwapTensors([view])
+    assert not group._entries[0].dense
+    group.swap_to_host()
+    assert group._entries[0].host.shape == (400,) and group._entries[0].host.dtype == torch.uint8
+
+
+def test_runtime_copies_are_named_in_the_profiler(device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    t = torch.randn(16, 16, device=device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _round_trip(SwapTensors([t]))
+    names = [e.name() for e in prof.profiler.kineto_results.events()]
+    assert names.count("swap_pass::copy[1024 B]") == 2  # one each way
