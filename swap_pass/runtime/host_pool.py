@@ -237,7 +237,10 @@ class HostBufferPool:
         nbytes = buf.nbytes
         key = (nbytes, buf.is_pinned() if pinned is None else pinned)
         with self._lock:
-            self._free.setdefault(key, []).append(buf)
+            bucket = self._free.get(key)
+            if bucket is None:
+                bucket = self._free[key] = []
+            bucket.append(buf)
             self._free_bytes += nbytes
             self._in_use_bytes -= nbytes
 
