@@ -77,7 +77,7 @@ import torch
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import may_free
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
+from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors
 
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
 
@@ -127,7 +127,7 @@ class BackwardGuard:
         group = self.group
         if group is not None:
             # Most often back and forgotten already: the next layer's guard restored it.
-            if group.stat is not SwapState.DEVICE or group in self.manager.batch_stack:
+            if group.stat is not DEVICE or group in self.manager.batch_stack:
                 self.manager.wait_swap_in(group)
                 group.assert_on_device("BackwardGuard")
             self.group = None  # see _let_go()
@@ -144,15 +144,15 @@ class BackwardGuard:
         prev, group = self.manager.previous, self._previous()
         if prev is None or group is None:
             return
-        if group.stat is SwapState.H2D:  # prefetched by the guard before us: the common case
+        if group.stat is H2D:  # prefetched by the guard before us: the common case
             group.wait_h2d()  # prev.wait_swap_in(group), without its restore() dispatch
             prev.forget(group)
-        elif group.stat is SwapState.HOST:
+        elif group.stat is HOST:
             prev.wait_swap_in(group)
         before = prev.previous
         if before is not None and before.prefetch_enabled:
             earlier = _link(group)()
-            if earlier is not None and earlier.stat is SwapState.HOST:  # before.prefetch(earlier)
+            if earlier is not None and earlier.stat is HOST:  # before.prefetch(earlier)
                 earlier.swap_to_device()
 
     def _let_go(self) -> None:
@@ -217,7 +217,7 @@ def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> No
     """Finalizer: the graph holding the guard is gone without a backward (dropped loss, eval
     with grad). Autograd will not read ``group`` again, but whoever passed the tensor in may:
     its data goes back to the device, then the group is forgotten."""
-    if group.stat != SwapState.DEVICE or any(g is group for g in manager.batch_stack):
+    if group.stat != DEVICE or any(g is group for g in manager.batch_stack):
         manager.wait_swap_in(group)
 
 

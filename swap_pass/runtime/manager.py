@@ -28,7 +28,7 @@ import torch
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.swap_tensors import D2H, DEVICE, HOST, SwapTensors, is_valid_for_swap
 
 __all__ = ["SwapLayerInputManager"]
 
@@ -246,7 +246,7 @@ class SwapLayerInputManager:
         copying = self._copying.get(self.module_tag)
         if not copying or not self._in_map:
             return []
-        idx, found, d2h, kept = self.layer_idx, [], SwapState.D2H, 0
+        idx, found, d2h, kept = self.layer_idx, [], D2H, 0
         for entry in copying:  # compacted in place: copies that are over leave the list
             group = entry[1]()
             if group is not None and group.stat is d2h:
@@ -278,7 +278,7 @@ class SwapLayerInputManager:
     def free_swapped_out(self) -> None:
         """Wait for every started device-to-host copy of this layer and free its device storage."""
         for group in self.batch_stack:
-            if group.stat == SwapState.D2H:
+            if group.stat == D2H:
                 group.wait_d2h()
 
     # --- backward side ------------------------------------------------------------------------
@@ -286,8 +286,8 @@ class SwapLayerInputManager:
     def prefetch(self, group: SwapTensors | None = None) -> SwapTensors | None:
         """Start the host-to-device copy of ``group`` (default: the oldest group on the host)."""
         if group is None:
-            group = next((g for g in self.batch_stack if g.stat == SwapState.HOST), None)
-        if group is not None and group.stat == SwapState.HOST:
+            group = next((g for g in self.batch_stack if g.stat == HOST), None)
+        if group is not None and group.stat == HOST:
             group.swap_to_device()
         return group
 
@@ -301,7 +301,7 @@ class SwapLayerInputManager:
             if not self.batch_stack:
                 return None
             group = self.batch_stack[0]
-        if group.stat is not SwapState.DEVICE:
+        if group.stat is not DEVICE:
             group.restore()
         self.forget(group)
         return group

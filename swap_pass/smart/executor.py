@@ -38,7 +38,7 @@ import torch
 from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.ownership import outside_holders
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.swap_tensors import D2H, DEVICE, H2D, HOST, SwapTensors, is_valid_for_swap
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import (
     DetailedProfile,
@@ -628,7 +628,7 @@ class SmartExecutor:
         self._inflight = []
 
     def _wait_d2h(self, slot: _Slot, at: int) -> None:
-        if slot.group.stat != SwapState.D2H:
+        if slot.group.stat != D2H:
             return
         slot.group.wait_d2h()
         if self.mode == ExecMode.PLANNED:
@@ -645,8 +645,8 @@ class SmartExecutor:
         self.tick += 1
         slot = handle.slot
         if slot is not None and slot.group is not None:
-            if slot.group.stat != SwapState.DEVICE:
-                self.report.sync_restores += slot.group.stat != SwapState.H2D
+            if slot.group.stat != DEVICE:
+                self.report.sync_restores += slot.group.stat != H2D
                 self._timed(slot.group.restore)
             slot.group.assert_on_device("SmartSwap.unpack")
         _check_version(handle)
@@ -683,7 +683,7 @@ class SmartExecutor:
             return
         for ref in targets:
             target = ref() if ref is not None else None
-            if target is not None and target.group is not None and target.group.stat == SwapState.HOST:
+            if target is not None and target.group is not None and target.group.stat == HOST:
                 self._timed(target.group.swap_to_device)
 
     def _timed(self, fn) -> None:
