@@ -6,9 +6,10 @@ method from one seed: plain, with ``enable_swap_layer_input``, under
 a fresh host tensor, so it does a copy out per layer like a swap), and with the bare
 copy-and-free reference of ``swap-pass bench`` (no safety; the floor under the eager row). Steps
 of the methods alternate, one intra-op thread; each phase's figure is the least process CPU time
-over the timed steps, minus the plain model's least, divided by the layer count. The least time
-is steadier than the median on a shared machine; ``swap-pass bench`` reports medians of paired
-differences instead.
+over the timed steps, minus the plain model's least, divided by the layer count. The last column
+is the median, over the steps, of each step's total minus the plain step's of the same round (as
+``swap-pass bench`` reports it): the least time of each phase moves less for the large rows, the
+paired median less for the small ones.
 
 Run it once per build to compare two builds (``PYTHONPATH=<checkout> python
 scripts/host_cost_phases.py``), alternating builds between runs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 
@@ -65,25 +67,32 @@ def main() -> None:
 
     x = torch.randn(1, 4, 8, requires_grad=True)
     methods, closers = _build(args.layers, x)
-    least = {name: [float("inf")] * 2 for name in methods}
+    steps: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     try:
         with intra_op_threads(1):
             for step in range(args.warmup + args.steps):
                 for name, (model, around_forward) in methods.items():
                     times = _phases(model, x, around_forward)
                     if step >= args.warmup:
-                        least[name] = [min(a, b) for a, b in zip(least[name], times)]
+                        steps[name].append(times)
     finally:
         for close in closers:
             close()
-    added = {name: [(s - p) / args.layers * 1e6 for s, p in zip(least[name], least["plain"])]
+    us = 1e6 / args.layers
+    least = {name: [min(t[i] for t in ts) for i in (0, 1)] for name, ts in steps.items()}
+    added = {name: [(s - p) * us for s, p in zip(least[name], least["plain"])]
              for name in methods if name != "plain"}
+    paired = {name: statistics.median((sum(t) - sum(p)) * us
+                                      for t, p in zip(steps[name], steps["plain"]))
+              for name in added}
     copying = sum(added[_COPYING])
     print(f"host CPU time added per layer over plain (least of {args.steps} steps, "
-          f"{args.layers} layers, torch {torch.__version__}):")
+          f"{args.layers} layers, torch {torch.__version__}; last column: median of the "
+          "steps' paired differences):")
     for name, (fwd, bwd) in added.items():
         print(f"  {name:<22} forward {fwd:6.1f} us, backward {bwd:6.1f} us, "
-              f"total {fwd + bwd:6.1f} us ({(fwd + bwd) / copying:4.1f}x {_COPYING})")
+              f"total {fwd + bwd:6.1f} us ({(fwd + bwd) / copying:4.1f}x {_COPYING}); "
+              f"paired {paired[name]:6.1f} us ({paired[name] / paired[_COPYING]:4.1f}x)")
 
 
 if __name__ == "__main__":
