@@ -67,6 +67,11 @@ def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
     return SwapLayerInputManager(token.name, custom_check_fn, prefetch, config)
 
 
+# A tag's list of copies that may still run is compacted by every copying_earlier() call; one
+# that no caller scans is compacted when it grows past this many entries.
+_COMPACT_COPYING_AT = 64
+
+
 def _renumber(layers: list[SwapLayerInputManager]) -> None:
     """Give each manager of one tag its place in ``layers`` (call with ``_map_lock`` held).
 
@@ -235,6 +240,9 @@ class SwapLayerInputManager:
         if copying is None:
             copying = self._copying.setdefault(self.module_tag, [])
         copying.append((self, weakref.ref(group)))
+        if len(copying) > _COMPACT_COPYING_AT:  # callers that never scan (FBOverlap): stay small
+            copying[:] = [entry for entry in copying
+                          if (g := entry[1]()) is not None and g.stat is D2H]
         return group
 
     def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:

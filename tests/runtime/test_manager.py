@@ -143,3 +143,16 @@ def test_reset_releases_groups_outside_any_manager(device) -> None:
         gc.enable()
         gc.collect()
     assert swap_pass.swap_stats().host_bytes_in_use == 0, "the finalizer must not release twice"
+
+
+def test_copies_list_stays_small_when_no_caller_scans_it(device) -> None:
+    # FBOverlap swaps out and waits in one call and never asks for earlier layers' copies.
+    managers = [SwapLayerInputManager("unscanned") for _ in range(2)]
+    t = torch.randn(64, device=device, requires_grad=True) * 1
+    for _ in range(300):
+        group = managers[0].swap_out([t])
+        group.wait_d2h()
+        managers[0].wait_swap_in(group)
+    copying = SwapLayerInputManager._copying["unscanned"]
+    assert len(copying) <= 65
+    assert managers[1].copying_earlier() == [] and copying == []  # a scan drops the rest
