@@ -157,7 +157,9 @@ class DeviceStreams:
         else:
             self._copy(stream, dst, src)
 
-    def _copy(self, stream, dst, src) -> None:
+    def _copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
+              src: torch.Tensor | torch.UntypedStorage) -> None:
+        """:meth:`copy` without its profiler range."""
         if stream is None:
             dst.copy_(src)
             return
