@@ -137,6 +137,7 @@ def _save_on_cpu(model: nn.Module, ctx: BenchContext) -> Runner:
 
 def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
     if ctx.device.type != "cuda":  # checked with torchtune 0.6.1 installed: it fails on CPU
+        # The message names torchtune's own CUDA calls; swap_pass makes none here.
         raise MethodSkipped(
             f"torchtune OffloadActivations is CUDA-only (it takes torch.cuda.default_stream() and "
             f"copies back with .to('cuda')); the device is {ctx.device.type}")

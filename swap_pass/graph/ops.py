@@ -19,7 +19,8 @@ The ops are functional (``swap_out`` and ``prefetch`` return new tensors), so Dy
 ``torch.export``, AOTAutograd and Inductor can trace, move and compile them; ``wait`` returns its
 input (an aliasing schema) and is marked side-effectful so dead-code elimination keeps it. The
 ``keepalive`` argument of ``wait`` is the source of the transfer: it keeps that tensor alive in
-the graph until the copy is complete, instead of ``record_stream`` (see ``docs/design.md``).
+the graph until the copy is complete, instead of ``record_stream`` (which would hold the
+storage back from the allocator until the side stream's later work completes).
 Freeing is the graph's job: once ``wait`` ran, the graph drops the source and the allocator
 reuses it on the compute stream, which is already ordered after the copy.
 

@@ -1,6 +1,7 @@
 """Device layer: which accelerator is present, its side streams and events, and a CPU fallback.
 
-Copy pattern this module serves (see ``docs/design.md``, "Runtime")::
+Copy pattern this module serves (events order the streams; the storage is freed after the
+compute stream waited on the copy)::
 
     compute:  ... produce x ... record(e_ready)            wait(e_d2h) free(x)
     d2h:                         wait(e_ready) copy x->host record(e_d2h)

@@ -11,7 +11,9 @@ flat host buffer, then freed in place with ``untyped_storage().resize_(0)``; res
 back and copies the bytes in. Every tensor that shares the storage (autograd's saved references,
 views, slices) therefore sees its data again with its own dtype, strides and offset.
 
-Stream protocol (``docs/design.md``, "Runtime"), no ``record_stream``:
+Stream protocol. It orders streams with events and never calls ``record_stream``, which would
+keep a freed storage from the allocator until the side stream's later work completes (delayed
+frees, fragmented memory):
 
 * ``swap_to_host``: the d2h stream waits on an event recorded on the compute stream, copies,
   records ``e_d2h``.
