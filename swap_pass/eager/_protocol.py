@@ -110,10 +110,8 @@ class BackwardGuard:
         self.manager = manager
         self.group = group
         self.fired = False
-        if group is None:
-            self._previous = _weak(previous)
-        else:
-            self._previous = getattr(group, _PREVIOUS_ATTR, _NONE)  # _link(group)
+        self._previous = _link(group) if group is not None else _weak(previous)
+        if group is not None:
             setattr(group, _GUARDED_ATTR, True)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
@@ -124,13 +122,10 @@ class BackwardGuard:
             discard_if_pending(self.manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        group = self.group
-        if group is not None:
-            # Most often back and forgotten already: the next layer's guard restored it.
-            if group.stat is not DEVICE or group in self.manager.batch_stack:
-                self.manager.wait_swap_in(group)
-                group.assert_on_device("BackwardGuard")
-            self.group = None  # see _let_go()
+        if self.group is not None:
+            self.manager.wait_swap_in(self.group)
+            self.group.assert_on_device("BackwardGuard")
+            self._let_go()
         if not self.fired:
             self.fired = True
             self._ready_previous()
@@ -144,16 +139,11 @@ class BackwardGuard:
         prev, group = self.manager.previous, self._previous()
         if prev is None or group is None:
             return
-        if group.stat is H2D:  # prefetched by the guard before us: the common case
-            group.wait_h2d()  # prev.wait_swap_in(group), without its restore() dispatch
-            prev.forget(group)
-        elif group.stat is HOST:
+        if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
-        before = prev.previous
-        if before is not None and before.prefetch_enabled:
-            earlier = _link(group)()
-            if earlier is not None and earlier.stat is HOST:  # before.prefetch(earlier)
-                earlier.swap_to_device()
+        before, earlier = prev.previous, _link(group)()
+        if before is not None and earlier is not None and before.prefetch_enabled:
+            before.prefetch(earlier)
 
     def _let_go(self) -> None:
         """Drop our references to the restored group (see Note: [Group lifetime]).
@@ -168,9 +158,6 @@ class BackwardGuard:
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
-        if len(tensors) == 1:  # one output: the common layer
-            _add_grad_hook(tensors[0], self)
-            return
         for t in tensors:
             _add_grad_hook(t, self)
 
@@ -213,6 +200,20 @@ def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
     return getattr(group, _PREVIOUS_ATTR, _NONE)
 
 
+def _in_flight_out(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
+                   manager: SwapLayerInputManager | None) -> SwapTensors | None:
+    """``manager``'s group of the micro-batch running now: the newest one still copying out.
+
+    ``earlier`` is a later layer's ``copying_earlier()`` (each layer's groups in micro-batch
+    order, so the last match is the newest).
+    """
+    newest = None
+    for prev, group in earlier:
+        if prev is manager:
+            newest = group
+    return newest
+
+
 def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> None:
     """Finalizer: the graph holding the guard is gone without a backward (dropped loss, eval
     with grad). Autograd will not read ``group`` again, but whoever passed the tensor in may:
@@ -235,7 +236,7 @@ def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
     ``copying_earlier()``); abandon the unguarded ones (if ``abandon``: a later call may still
     guard them otherwise)."""
     for prev, group in earlier:
-        guarded = getattr(group, _GUARDED_ATTR, False)  # is_guarded(group)
+        guarded = is_guarded(group)
         if guarded and may_free(group.tensors, prev.name):
             group.wait_d2h()
         elif guarded or abandon:
@@ -304,28 +305,29 @@ def _mark_region_outputs(result: Any, api: str) -> None:
             setattr(t, _REGION_OUTPUT_ATTR, t.grad_fn._sequence_nr())
 
 
+def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
+                 grad_at_entry: bool) -> list[torch.Tensor]:
+    """At the layer's entry: the input, if it is to be swapped and may leave the device."""
+    kept = grad_at_entry or (hidden_states.requires_grad and not _in_region(hidden_states))
+    if manager.is_last_layer or not kept:
+        return []
+    return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
+
+
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
                         grad_at_entry: bool) -> None:
-    if not grad_at_entry:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at
-        _mark_region_outputs(result, api)  # layer entry])
-        outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
-    elif type(result) is torch.Tensor:  # grad_outputs() of the common return value
-        outputs = [result] if result.requires_grad else []
-        kept = bool(outputs) or hidden_states.requires_grad
-    else:
+    if grad_at_entry:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
+    else:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at layer entry])
+        _mark_region_outputs(result, api)
+        outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
     earlier = manager.copying_earlier()
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
         free_previous(earlier, abandon=False)  # the region started waits for the next region
         return
-    # The previous layer's group of the micro-batch running now: its newest one still copying
-    # out (``earlier`` has each layer's groups in micro-batch order), before free_previous frees it.
-    previous, before = None, manager.previous
-    for prev, g in earlier:
-        if prev is before:
-            previous = g
+    previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
     group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
         setattr(group, _PREVIOUS_ATTR, _weak(previous))
@@ -346,30 +348,18 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     if _graph_task_id() != -1:  # in_backward(): a recomputation, the input is already back
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
-    if not manager._in_map:  # the first call after swap_pass.reset()
-        manager.ensure_registered()
-    if args and "hidden_states" not in kwargs and type(args[0]) is torch.Tensor:
-        hidden_states = args[0]  # find_hidden_states() of the common call, layer(x, ...)
-    else:
-        hidden_states = find_hidden_states(args, kwargs, api)
+    manager.ensure_registered()
+    hidden_states = find_hidden_states(args, kwargs, api)
     ref = manager.layer_parameter  # weak: a registered manager must not keep a parameter alive
     known = ref() if ref is not None else None
     param = check_device(layer, hidden_states, api, known)
     if param is not known:
         manager.layer_parameter = weakref.ref(param) if param is not None else None
     try:
-        if manager.batch_stack:
-            abandon_own_unguarded(manager)
+        abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
-        if _MAYBE_UNGUARDED:
-            guard_previous_on_input(manager, hidden_states)
-        # At the entry: the input, if it is to be swapped and may leave the device (see Note:
-        # [Ownership rule] in runtime/ownership.py).
-        if manager.is_last_layer or not (
-                grad_at_entry or hidden_states.requires_grad and not _in_region(hidden_states)):
-            claimed = []
-        else:
-            claimed = manager.claim((hidden_states,))
+        guard_previous_on_input(manager, hidden_states)
+        claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)
         if manager.is_last_layer:

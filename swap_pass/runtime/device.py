@@ -153,15 +153,13 @@ class DeviceStreams:
             with record_function(copy_range_name(dst.nbytes if isinstance(dst, torch.Tensor)
                                                  else dst.nbytes())):
                 self._copy(stream, dst, src)
-        elif stream is None:  # CPU: no stream to make current
-            dst.copy_(src)
         else:
             self._copy(stream, dst, src)
 
     def _copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
               src: torch.Tensor | torch.UntypedStorage) -> None:
         """:meth:`copy` without its profiler range."""
-        if stream is None:
+        if stream is None:  # CPU: no stream to make current
             dst.copy_(src)
             return
         with stream:

@@ -32,7 +32,6 @@ import threading
 import torch
 
 from swap_pass.runtime import stats
-from swap_pass.runtime import device as _device
 from swap_pass.runtime.device import host_buffer_released
 from swap_pass.runtime.errors import HostMemoryError
 
@@ -161,10 +160,7 @@ class HostBufferPool:
         """
         if self._deferred or self._unread:  # what drain_deferred() checks first, spared a call
             self.drain_deferred()
-        if event is not None:  # _release_now(), inline on the path every swap-in takes
-            with self._lock:
-                self._events[buf.data_ptr()] = event
-        self._put_back(buf, pinned)
+        self._release_now(buf, event, pinned)
 
     def _release_now(self, buf: torch.Tensor, event: object, pinned: bool | None = None) -> None:
         if event is not None:
@@ -232,8 +228,7 @@ class HostBufferPool:
                 stats.record(**stat_deltas)
 
     def _put_back(self, buf: torch.Tensor, pinned: bool | None = None) -> None:
-        if _device._cpu_model is not None:  # checked here: one call fewer per buffer otherwise
-            host_buffer_released(buf)
+        host_buffer_released(buf)
         nbytes = buf.nbytes
         key = (nbytes, buf.is_pinned() if pinned is None else pinned)
         with self._lock:

@@ -72,6 +72,22 @@ def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
 _COMPACT_COPYING_AT = 64
 
 
+def _still_copying(copying: list[tuple[SwapLayerInputManager, weakref.ref[SwapTensors]]],
+                   before: int) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
+    """Drop the entries of ``copying`` whose copy is over (in place); return ``(manager, group)``
+    for the rest whose layer comes before layer ``before``, in start order."""
+    found, kept = [], 0
+    for entry in copying:
+        group = entry[1]()
+        if group is not None and group.stat is D2H:
+            copying[kept] = entry
+            kept += 1
+            if entry[0].layer_idx < before:
+                found.append((entry[0], group))
+    del copying[kept:]
+    return found
+
+
 def _renumber(layers: list[SwapLayerInputManager]) -> None:
     """Give each manager of one tag its place in ``layers`` (call with ``_map_lock`` held).
 
@@ -241,8 +257,7 @@ class SwapLayerInputManager:
             copying = self._copying.setdefault(self.module_tag, [])
         copying.append((self, weakref.ref(group)))
         if len(copying) > _COMPACT_COPYING_AT:  # callers that never scan (FBOverlap): stay small
-            copying[:] = [entry for entry in copying
-                          if (g := entry[1]()) is not None and g.stat is D2H]
+            _still_copying(copying, 0)
         return group
 
     def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
@@ -254,15 +269,7 @@ class SwapLayerInputManager:
         copying = self._copying.get(self.module_tag)
         if not copying or not self._in_map:
             return []
-        idx, found, d2h, kept = self.layer_idx, [], D2H, 0
-        for entry in copying:  # compacted in place: copies that are over leave the list
-            group = entry[1]()
-            if group is not None and group.stat is d2h:
-                copying[kept] = entry
-                kept += 1
-                if entry[0].layer_idx < idx:
-                    found.append((entry[0], group))
-        del copying[kept:]
+        found = _still_copying(copying, self.layer_idx)
         if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return found
@@ -311,7 +318,7 @@ class SwapLayerInputManager:
             group = self.batch_stack[0]
         if group.stat is not DEVICE:
             group.restore()
-        self.forget(group)
+        self._forget(group)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------
@@ -328,10 +335,9 @@ class SwapLayerInputManager:
     def discard(self, group: SwapTensors) -> None:
         """Discard one group whose tensors will never be read again (its graph was freed)."""
         group.discard()
-        self.forget(group)
+        self._forget(group)
 
-    def forget(self, group: SwapTensors) -> None:
-        """Drop ``group`` from the FIFO, if it is there (its data is back on the device)."""
+    def _forget(self, group: SwapTensors) -> None:
         if group in self.batch_stack:  # groups compare by identity
             self.batch_stack.remove(group)
 

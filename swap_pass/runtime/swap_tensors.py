@@ -110,8 +110,8 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
 # tensor: out from ``t.data``, back into ``data_alias(t)``, both plain detached tensors over the
 # storage, so neither records autograd history nor bumps ``t``'s version counter, and neither
 # passes the freed tensor's guard. A storage-to-storage copy (every other whole storage) builds a
-# byte view of each side inside the copy: measured in scripts/host_cost_phases.py, the two dense
-# copies cost several microseconds less per layer on the host.
+# byte view of each side inside the copy; the two dense copies cost the host several microseconds
+# less per layer (docs/results.md, "Host cost, fourth round").
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,18 +130,20 @@ class _StorageEntry:
     dense: bool = False  # one contiguous tensor over every byte: see Note: [Dense copies]
 
     def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of the storage (or its span) into ``host`` on ``stream`` (an entry that
-        is not ``dense``: the group copies those itself, see Note: [Dense copies])."""
-        if self.span is None:  # storage to storage: no byte view to build
+        """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
+        if self.dense:  # host has the tensor's dtype and shape: see Note: [Dense copies]
+            ds.copy(stream, self.host, self.tensors[0].data)
+        elif self.span is None:  # storage to storage: no byte view to build
             ds.copy(stream, self.host.untyped_storage(), self.storage)
         else:
             lo, hi = self.span
             ds.copy(stream, self.host, _bytes_view(self.storage, lo, hi - lo))
 
     def copy_in(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream`` (an entry
-        that is not ``dense``)."""
-        if self.span is None:
+        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream``."""
+        if self.dense:
+            ds.copy(stream, data_alias(self.tensors[0]), self.host)
+        elif self.span is None:
             ds.copy(stream, self.storage, self.host.untyped_storage())
         else:
             lo, hi = self.span
@@ -195,7 +197,7 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     if nbytes == 0 or nbytes < min_bytes:
         return []
     e = _StorageEntry(storage, storage._cdata, nbytes, [t], [], host_nbytes=nbytes)
-    if t.storage_offset() == 0 and t.nbytes == nbytes and t.is_contiguous():  # _spans_all(e)
+    if _spans_all(e):
         e.dense = True
     elif copy_span:
         _narrow_to_span(e)
@@ -257,16 +259,9 @@ class SwapTensors:
             self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
             self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        tensors = self.tensors
-        entries = self._entries = (
-            _one_entry(tensors, self.config.min_swap_bytes, copy_span) if len(tensors) == 1
-            else _group_by_storage(tensors, self.config.min_swap_bytes, copy_span))
-        if len(entries) == 1:  # one layer input: its sizes and device as they are
-            e = entries[0]
-            self._nbytes, self._host_nbytes, self.device = e.nbytes, e.host_nbytes, e.storage.device
-        else:
-            self._measure()
-            self.device = self._common_device()
+        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
+        self._measure()
+        self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self._pinned: bool | None = None
         self.stat = DEVICE
@@ -307,9 +302,7 @@ class SwapTensors:
             self._expect(DEVICE, "SwapTensors.swap_to_host")
         entries = self._entries
         for e in entries:  # see Note: [One storage, one live group]
-            tensors = e.tensors
-            e.versions = ([tensors[0]._version] if len(tensors) == 1 else
-                          [t._version for t in tensors])
+            e.versions = [t._version for t in e.tensors]
             live_groups.claim(self, e.key)
         if entries:
             ds = self._ds or self._streams()
@@ -318,17 +311,13 @@ class SwapTensors:
             else:
                 if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                     stream = ds.d2h_stream()
-                if stream is not None:
-                    ds.wait(stream, ds.record_event(ds.compute_stream()))
+                _order_after_compute(ds, stream)
                 for e in entries:
                     if e.host_event is not None:
                         ds.wait(stream, e.host_event)
                         e.host_event = None
-                    if e.dense:  # host has the tensor's dtype and shape: Note: [Dense copies]
-                        ds.copy(stream, e.host, e.tensors[0].data)
-                    else:
-                        e.copy_out(ds, stream)
-                self._event = None if stream is None else ds.record_event(stream)
+                    e.copy_out(ds, stream)
+                self._event = _record(ds, stream)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = D2H
 
@@ -340,13 +329,11 @@ class SwapTensors:
         entries = self._entries
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            if self._event is not None:
-                ds.wait(ds.compute_stream(), self._event)
-                self._event = None
+            _wait_on_compute(ds, self._event)
+            self._event = None
             for e in entries:
                 ds.free_storage(e.storage)
-            guard_freed(entries[0].tensors if len(entries) == 1 else self._freed_tensors(),
-                        self.name or "a swap group", self)  # inline: one call fewer per layer
+            guard_freed(self._freed_tensors(), self.name or "a swap group", self)
             stats.record_released(self._nbytes)
         self.stat = HOST
 
@@ -360,14 +347,10 @@ class SwapTensors:
                 e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream()
-            if stream is not None:
-                ds.wait(stream, ds.record_event(ds.compute_stream()))
+            _order_after_compute(ds, stream)
             for e in self._entries:
-                if e.dense:
-                    ds.copy(stream, data_alias(e.tensors[0]), e.host)
-                else:
-                    e.copy_in(ds, stream)
-            self._event = None if stream is None else ds.record_event(stream)
+                e.copy_in(ds, stream)
+            self._event = _record(ds, stream)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
 
@@ -377,15 +360,11 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
-            if self._event is not None:
-                ds = self._ds or self._streams()
-                ds.wait(ds.compute_stream(), self._event)
-                self._event = None
-            unguard(entries[0].tensors if len(entries) == 1 else self._freed_tensors())
+            _wait_on_compute(self._ds or self._streams(), self._event)
+            self._event = None
+            unguard(self._freed_tensors())
             self._release_host_buffers()
-        if entries:  # see Note: [One storage, one live group]
-            live_groups.release_all(self, [entries[0].key] if len(entries) == 1 else
-                                    [e.key for e in entries])
+        self._leave_registry()  # see Note: [One storage, one live group]
         self.kept_on_device = False
         self.stat = DEVICE
 
@@ -461,6 +440,8 @@ class SwapTensors:
             raise SwapStateError(api, self.stat.value, state.value, self.name)
 
     def _common_device(self) -> torch.device | None:
+        if len(self._entries) == 1:  # the common case: one layer input
+            return self._entries[0].storage.device
         devices = {e.storage.device for e in self._entries}
         if len(devices) > 1:
             raise ValueError(
@@ -544,6 +525,20 @@ class SwapTensors:
                         f"(version {v} -> {t._version}). A swapped tensor must not be written "
                         "between swap-out and swap-in; clone it before modifying it."
                     )
+
+
+def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
+    """Make ``stream`` wait for the work queued so far on the compute stream.
+
+    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
+    """
+    if stream is not None:
+        ds.wait(stream, ds.record_event(ds.compute_stream()))
+
+
+def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
+    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
+    return None if stream is None else ds.record_event(stream)
 
 
 def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
