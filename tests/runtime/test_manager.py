@@ -149,9 +149,11 @@ def test_copies_list_stays_small_when_no_caller_scans_it(device) -> None:
     # FBOverlap swaps out and waits in one call and never asks for earlier layers' copies.
     managers = [SwapLayerInputManager("unscanned") for _ in range(2)]
     t = torch.randn(64, device=device, requires_grad=True) * 1
-    for _ in range(300):
+    for step in range(300):
         group = managers[0].swap_out([t])
         group.wait_d2h()
+        if step == 0:
+            assert t.untyped_storage().nbytes() == 0  # really swapped out
         managers[0].wait_swap_in(group)
     copying = SwapLayerInputManager._copying["unscanned"]
     assert len(copying) <= 65
