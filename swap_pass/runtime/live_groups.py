@@ -30,6 +30,7 @@ class _Group(Protocol):
 
 
 _lock = threading.Lock()
+_acquire, _release = _lock.acquire, _lock.release  # cheaper than ``with`` (see runtime/stats.py)
 _owners: dict[int, weakref.ref] = {}
 
 
@@ -48,9 +49,13 @@ def owner(storage: torch.UntypedStorage) -> _Group | None:
 def claim(group: _Group, key: int) -> None:
     """Make ``group`` the one live holder of the storage ``key`` (its :func:`storage_key`); an
     older holder drops it."""
-    with _lock:
+    new = weakref.ref(group)
+    _acquire()
+    try:
         ref = _owners.get(key)
-        _owners[key] = weakref.ref(group)
+        _owners[key] = new
+    finally:
+        _release()
     previous = ref() if ref is not None else None
     if previous is not None and previous is not group:
         previous.drop_storage(key)
@@ -59,13 +64,16 @@ def claim(group: _Group, key: int) -> None:
 def release_all(group: _Group, keys: Iterable[int]) -> None:
     """Forget ``group`` as the holder of the storages ``keys`` (its data is back, or it was
     dropped)."""
-    with _lock:
+    _acquire()
+    try:
         for key in keys:
             ref = _owners.get(key)
             if ref is not None:
                 held = ref()
                 if held is group or held is None:
                     del _owners[key]
+    finally:
+        _release()
 
 
 def clear() -> None:
