@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from swap_pass.runtime.errors import SwapDataError
 
-__all__ = ["Restorable", "data_alias", "guard_freed", "is_guarded", "unguard"]
+__all__ = ["Restorable", "guard_freed", "is_guarded", "unguard"]
 
 # The one attribute a guarded tensor carries: (the group's name, a weak reference to the group).
 _WHERE = "_swap_pass_swapped_out"
@@ -163,18 +163,3 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
             t.__class__ = torch.Tensor
             t.__dict__.pop(_WHERE, None)
 
-
-def data_alias(t: torch.Tensor) -> torch.Tensor:
-    """``t.data`` of a guarded tensor too: a plain tensor over the same storage, detached.
-
-    A copy into it bumps the alias's version counter, not ``t``'s (autograd checks ``t``'s when
-    it unpacks a saved ``t``), and passes no guard; the runtime copies a swapped tensor's data
-    back through it.
-    """
-    if type(t) is not _SwappedOut:
-        return t.data
-    t.__class__ = torch.Tensor
-    try:
-        return t.data
-    finally:
-        t.__class__ = _SwappedOut

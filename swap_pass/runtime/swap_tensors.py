@@ -42,7 +42,7 @@ from swap_pass.config import OnHostExhausted, SwapConfig, check_config
 from swap_pass.runtime import live_groups, stats
 from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
-from swap_pass.runtime.freed_guard import data_alias, guard_freed, unguard
+from swap_pass.runtime.freed_guard import guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
 
@@ -107,7 +107,9 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
 # Note: [Dense copies]
 # The common entry is one contiguous tensor over all of its storage (a layer input). Its host
 # buffer is taken from the pool in the tensor's dtype and shape, and the copies run tensor to
-# tensor: out from ``t.data``, back into ``data_alias(t)``, both plain detached tensors over the
+# tensor: out from ``t.data``, back into ``alias``, a second ``t.data`` made just before the
+# storage is freed (while ``t`` is still a plain tensor, after the ownership check counted the
+# storage's holders) and dropped with the host buffer. Both are plain detached tensors over the
 # storage, so neither records autograd history nor bumps ``t``'s version counter, and neither
 # passes the freed tensor's guard. A storage-to-storage copy (every other whole storage) builds a
 # byte view of each side inside the copy; the two dense copies cost the host several microseconds
@@ -128,6 +130,7 @@ class _StorageEntry:
     span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
     host_nbytes: int = 0  # bytes copied: nbytes, or the span's length
     dense: bool = False  # one contiguous tensor over every byte: see Note: [Dense copies]
+    alias: torch.Tensor | None = None  # dense, while freed: the copy back's destination
 
     def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
         """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
@@ -142,7 +145,7 @@ class _StorageEntry:
     def copy_in(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
         """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream``."""
         if self.dense:
-            ds.copy(stream, data_alias(self.tensors[0]), self.host)
+            ds.copy(stream, self.alias, self.host)
         elif self.span is None:
             ds.copy(stream, self.storage, self.host.untyped_storage())
         else:
@@ -167,9 +170,12 @@ def _bytes_view(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torc
 
 def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
                       copy_span: bool = False) -> list[_StorageEntry]:
-    """One entry per distinct storage that holds bytes, at least ``min_bytes`` of them."""
-    if len(tensors) == 1:  # one layer input: no dict of storages to build
-        return _one_entry(tensors, min_bytes, copy_span)
+    """One entry per distinct storage that holds bytes, at least ``min_bytes`` of them.
+
+    One tensor (a layer input) takes :func:`_one_entry`: no dict of storages to build.
+    """
+    if len(tensors) == 1:
+        return _one_entry(tensors[0], min_bytes, copy_span)
     entries: dict[int, _StorageEntry] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -189,9 +195,8 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
     return list(entries.values())
 
 
-def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
+def _one_entry(t: torch.Tensor, min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
     """:func:`_group_by_storage` of one tensor."""
-    t = tensors[0]
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
@@ -259,7 +264,9 @@ class SwapTensors:
             self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
             self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
+        tensors, min_bytes = self.tensors, self.config.min_swap_bytes
+        self._entries = (_one_entry(tensors[0], min_bytes, copy_span) if len(tensors) == 1
+                         else _group_by_storage(tensors, min_bytes, copy_span))
         self._measure()
         self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
@@ -302,7 +309,7 @@ class SwapTensors:
             self._expect(DEVICE, "SwapTensors.swap_to_host")
         entries = self._entries
         for e in entries:  # see Note: [One storage, one live group]
-            e.versions = [t._version for t in e.tensors]
+            e.versions = [e.tensors[0]._version] if e.dense else [t._version for t in e.tensors]
             live_groups.claim(self, e.key)
         if entries:
             ds = self._ds or self._streams()
@@ -311,13 +318,15 @@ class SwapTensors:
             else:
                 if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                     stream = ds.d2h_stream()
-                _order_after_compute(ds, stream)
+                if stream is not None:  # see _order_after_compute()
+                    _order_after_compute(ds, stream)
                 for e in entries:
                     if e.host_event is not None:
                         ds.wait(stream, e.host_event)
                         e.host_event = None
                     e.copy_out(ds, stream)
-                self._event = _record(ds, stream)
+                # None where the copies are done (synchronous): no event to wait on
+                self._event = None if stream is None else ds.record_event(stream)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = D2H
 
@@ -329,9 +338,12 @@ class SwapTensors:
         entries = self._entries
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            _wait_on_compute(ds, self._event)
-            self._event = None
+            if self._event is not None:
+                _wait_on_compute(ds, self._event)
+                self._event = None
             for e in entries:
+                if e.dense:  # see Note: [Dense copies]
+                    e.alias = e.tensors[0].data
                 ds.free_storage(e.storage)
             guard_freed(self._freed_tensors(), self.name or "a swap group", self)
             stats.record_released(self._nbytes)
@@ -341,16 +353,19 @@ class SwapTensors:
         """Re-allocate the device storages and start copying the data back ("host" -> "h2d")."""
         if self.stat is not HOST:  # checked inline: every transition passes here
             self._expect(HOST, "SwapTensors.swap_to_device")
-        if not self.kept_on_device and self._entries:
+        entries = self._entries
+        if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            for e in self._entries:  # allocated on the compute stream, the stream of its readers
+            for e in entries:  # allocated on the compute stream, the stream of its readers
                 e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream()
-            _order_after_compute(ds, stream)
-            for e in self._entries:
+            if stream is not None:  # see _order_after_compute()
+                _order_after_compute(ds, stream)
+            for e in entries:
                 e.copy_in(ds, stream)
-            self._event = _record(ds, stream)
+            # None where the copies are done (synchronous): no event to wait on
+            self._event = None if stream is None else ds.record_event(stream)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
 
@@ -360,8 +375,9 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
-            _wait_on_compute(self._ds or self._streams(), self._event)
-            self._event = None
+            if self._event is not None:
+                _wait_on_compute(self._ds or self._streams(), self._event)
+                self._event = None
             unguard(self._freed_tensors())
             self._release_host_buffers()
         self._leave_registry()  # see Note: [One storage, one live group]
@@ -372,11 +388,11 @@ class SwapTensors:
 
     def restore(self) -> None:
         """Bring the group back to state "device" from any state, data intact. Idempotent."""
-        if self.stat == D2H:  # device data is still there: just drop the host copy
+        if self.stat is D2H:  # device data is still there: just drop the host copy
             self._abandon_d2h()
-        if self.stat == HOST:
+        if self.stat is HOST:
             self.swap_to_device()
-        if self.stat == H2D:
+        if self.stat is H2D:
             self.wait_h2d()
 
     def discard(self) -> None:
@@ -390,7 +406,8 @@ class SwapTensors:
             self._abandon_d2h()
         elif self.stat in (HOST, H2D):
             if self.stat == H2D:
-                _wait_on_compute(self._streams(), self._event)
+                if self._event is not None:
+                    _wait_on_compute(self._streams(), self._event)
                 unguard(self._freed_tensors())
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
@@ -431,7 +448,8 @@ class SwapTensors:
 
     def assert_on_device(self, reader: str = "reader") -> None:
         """Raise unless the group's data is on the device and readable (used by every reader)."""
-        self._expect(DEVICE, reader)
+        if self.stat is not DEVICE:
+            self._expect(DEVICE, reader)
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -482,6 +500,7 @@ class SwapTensors:
             if e.host is not None:
                 _POOL.release(e.host, event, pinned)
                 e.host = None
+            e.alias = None
         _holding_host_buffers.pop(id(self), None)
 
     def _leave_registry(self) -> None:
@@ -527,24 +546,19 @@ class SwapTensors:
                     )
 
 
-def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
+def _order_after_compute(ds: DeviceStreams, stream: torch.Stream) -> None:
     """Make ``stream`` wait for the work queued so far on the compute stream.
 
-    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
+    Callers skip it where ``stream`` is None: copies are synchronous there (CPU), nothing to
+    order.
     """
-    if stream is not None:
-        ds.wait(stream, ds.record_event(ds.compute_stream()))
-
-
-def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
-    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
-    return None if stream is None else ds.record_event(stream)
+    ds.wait(stream, ds.record_event(ds.compute_stream()))
 
 
 def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
-    """Make the compute stream wait for ``event`` (None: a synchronous copy, already done)."""
-    if event is not None:
-        ds.wait(ds.compute_stream(), event)
+    """Make the compute stream wait for ``event``; callers skip it for None (a synchronous
+    copy, already done)."""
+    ds.wait(ds.compute_stream(), event)
 
 
 def discard_groups_off_device(*, restore: bool = False) -> int:
