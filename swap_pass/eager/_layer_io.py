@@ -102,6 +102,8 @@ def grad_outputs(result: Any, api: str) -> list[torch.Tensor]:
         TypeError: Under grad mode, ``result`` is neither a tensor, a tuple/list nor a mapping,
             so the start of the layer's backward cannot be found.
     """
+    if type(result) is torch.Tensor:  # the common case, answered without building a list twice
+        return [result] if result.requires_grad else []
     tensors = _tensors_in(result)
     if tensors is None:
         if torch.is_grad_enabled():

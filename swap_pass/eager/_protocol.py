@@ -110,9 +110,11 @@ class BackwardGuard:
         self.manager = manager
         self.group = group
         self.fired = False
-        self._previous = _link(group) if group is not None else _weak(previous)
         if group is not None:
+            self._previous = _link(group)
             setattr(group, _GUARDED_ATTR, True)
+        else:
+            self._previous = _weak(previous)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # The graph is gone: a group never restored was not read by a backward (Note: [Group
@@ -122,10 +124,13 @@ class BackwardGuard:
             discard_if_pending(self.manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if self.group is not None:
-            self.manager.wait_swap_in(self.group)
-            self.group.assert_on_device("BackwardGuard")
-            self._let_go()
+        group, manager = self.group, self.manager
+        if group is not None:
+            # The later layer's guard readied it and it left the FIFO: nothing to wait for then.
+            if group.stat is not DEVICE or manager.batch_stack:
+                manager.wait_swap_in(group)
+            group.assert_on_device("BackwardGuard")
+            self.group = None  # let go of it: see Note: [Group lifetime]
         if not self.fired:
             self.fired = True
             self._ready_previous()
@@ -142,19 +147,9 @@ class BackwardGuard:
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
         before, earlier = prev.previous, _link(group)()
-        if before is not None and earlier is not None and before.prefetch_enabled:
-            before.prefetch(earlier)
-
-    def _let_go(self) -> None:
-        """Drop our references to the restored group (see Note: [Group lifetime]).
-
-        The guard lives as long as the autograd graph (until the loss is dropped, after the
-        whole backward). Holding the group would keep every restored
-        layer input alive to the end of backward: the peak would not fall as backward proceeds.
-        Once restored, the group is only autograd's to keep, and it frees each saved input after
-        its node ran.
-        """
-        self.group = None
+        if (before is not None and earlier is not None and before.prefetch_enabled
+                and earlier.stat is HOST):
+            earlier.swap_to_device()  # before.prefetch(earlier), one call less
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
@@ -349,16 +344,21 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
     manager.ensure_registered()
-    hidden_states = find_hidden_states(args, kwargs, api)
+    if args and not kwargs and type(args[0]) is torch.Tensor:  # find_hidden_states()' answer
+        hidden_states = args[0]
+    else:
+        hidden_states = find_hidden_states(args, kwargs, api)
     ref = manager.layer_parameter  # weak: a registered manager must not keep a parameter alive
     known = ref() if ref is not None else None
     param = check_device(layer, hidden_states, api, known)
     if param is not known:
         manager.layer_parameter = weakref.ref(param) if param is not None else None
     try:
-        abandon_own_unguarded(manager)
+        if manager.batch_stack:  # groups of earlier micro-batches (or of a forward that had none)
+            abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
-        guard_previous_on_input(manager, hidden_states)
+        if _MAYBE_UNGUARDED:
+            guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)

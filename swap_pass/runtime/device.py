@@ -149,21 +149,16 @@ class DeviceStreams:
         wait on. While ``torch.profiler`` records, the copy runs in a range named
         :func:`copy_range_name` (``swap-pass bench`` reads CPU copy bandwidth from it).
         """
-        if _profiling():
-            with record_function(copy_range_name(dst.nbytes if isinstance(dst, torch.Tensor)
-                                                 else dst.nbytes())):
-                self._copy(stream, dst, src)
-        else:
-            self._copy(stream, dst, src)
-
-    def _copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
-              src: torch.Tensor | torch.UntypedStorage) -> None:
-        """:meth:`copy` without its profiler range."""
-        if stream is None:  # CPU: no stream to make current
-            dst.copy_(src)
-            return
-        with stream:
-            dst.copy_(src, non_blocking=self.is_async)
+        in_range = _enter_copy_range(dst) if _profiling() else None
+        try:
+            if stream is None:  # CPU: synchronous, no stream to make current
+                dst.copy_(src)
+            else:
+                with stream:
+                    dst.copy_(src, non_blocking=self.is_async)
+        finally:
+            if in_range is not None:
+                in_range.__exit__(None, None, None)
 
     @staticmethod
     def free_storage(storage: torch.UntypedStorage) -> None:
@@ -173,6 +168,14 @@ class DeviceStreams:
 
 _profiling = torch._C._autograd._profiler_enabled
 COPY_RANGE = "swap_pass::copy"
+
+
+def _enter_copy_range(dst: torch.Tensor | torch.UntypedStorage) -> record_function:
+    """Enter the profiler range of a copy into ``dst`` (the caller exits it)."""
+    nbytes = dst.nbytes if isinstance(dst, torch.Tensor) else dst.nbytes()
+    in_range = record_function(copy_range_name(nbytes))
+    in_range.__enter__()
+    return in_range
 
 
 def copy_range_name(nbytes: int) -> str:
