@@ -68,7 +68,7 @@ class HostBufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        self._free_bytes = 0
+        self._reserved_bytes = 0  # in use plus cached: changes only when buffers come or go
         self._in_use_bytes = 0
         self._peak_in_use_bytes = 0  # since the last restart_gauges()
         self._allocations = 0  # fresh buffers since the last restart_gauges()
@@ -88,7 +88,7 @@ class HostBufferPool:
     @property
     def bytes_reserved(self) -> int:
         """Bytes held in all: in use plus cached for reuse."""
-        return self._in_use_bytes + self._free_bytes
+        return self._reserved_bytes
 
     def acquire(self, nbytes: int, *, pin: bool, max_host_bytes: int | None = None) -> torch.Tensor:
         """Return a host buffer of exactly ``nbytes`` bytes (its last copy's event stays for
@@ -133,7 +133,6 @@ class HostBufferPool:
             if bucket:  # a reused buffer: _take(nbytes, fresh=False), inline on the hot path
                 buf = bucket.pop()
                 event = self._events.pop(buf.data_ptr(), None) if self._events else None
-                self._free_bytes -= nbytes
                 self._in_use_bytes += nbytes
                 if self._in_use_bytes > self._peak_in_use_bytes:
                     self._peak_in_use_bytes = self._in_use_bytes
@@ -222,6 +221,7 @@ class HostBufferPool:
             if forgotten:
                 with self._lock:
                     self._in_use_bytes -= forgotten
+                    self._reserved_bytes -= forgotten
             if stat_deltas:
                 stats.record(**stat_deltas)
 
@@ -241,7 +241,6 @@ class HostBufferPool:
             if bucket is None:
                 bucket = self._free[key] = []
             bucket.append(buf)
-            self._free_bytes += nbytes
             self._in_use_bytes -= nbytes
         finally:
             lock.release()
@@ -262,13 +261,15 @@ class HostBufferPool:
             for buf in bucket:
                 self._events.pop(buf.data_ptr(), None)
         self._free.clear()
-        self._free_bytes = 0
+        self._reserved_bytes = self._in_use_bytes
 
     def _take(self, nbytes: int, *, fresh: bool) -> None:
         self._in_use_bytes += nbytes
         if self._in_use_bytes > self._peak_in_use_bytes:
             self._peak_in_use_bytes = self._in_use_bytes
         self._allocations += fresh
+        if fresh:
+            self._reserved_bytes += nbytes
 
     def gauges(self) -> dict[str, int]:
         """The host fields of :class:`~swap_pass.SwapStats`: bytes in use (and their peak),
@@ -276,7 +277,7 @@ class HostBufferPool:
         with self._lock:
             return {"host_bytes_in_use": self._in_use_bytes,
                     "peak_host_bytes_in_use": self._peak_in_use_bytes,
-                    "host_bytes_reserved": self._in_use_bytes + self._free_bytes,
+                    "host_bytes_reserved": self._reserved_bytes,
                     "host_allocations": self._allocations}
 
     def restart_gauges(self) -> None:

@@ -125,10 +125,10 @@ class _StorageEntry:
     nbytes: int
     tensors: list[torch.Tensor]
     versions: list[int]  # the tensors' versions when the copy out started
+    host_nbytes: int  # bytes copied: nbytes, or the span's length
     host: torch.Tensor | None = None
     host_event: object = None  # the last copy of a reused host buffer, to order ours after
     span: tuple[int, int] | None = None  # bytes copied; None: the whole storage
-    host_nbytes: int = 0  # bytes copied: nbytes, or the span's length
     dense: bool = False  # one contiguous tensor over every byte: see Note: [Dense copies]
     alias: torch.Tensor | None = None  # dense, while freed: the copy back's destination
 
@@ -185,7 +185,7 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
                 continue
-            entries[key] = _StorageEntry(storage, key, nbytes, [t], [], host_nbytes=nbytes)
+            entries[key] = _StorageEntry(storage, key, nbytes, [t], [], nbytes)
         else:
             e.tensors.append(t)
     if copy_span:
@@ -201,7 +201,7 @@ def _one_entry(t: torch.Tensor, min_bytes: int, copy_span: bool) -> list[_Storag
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return []
-    e = _StorageEntry(storage, storage._cdata, nbytes, [t], [], host_nbytes=nbytes)
+    e = _StorageEntry(storage, storage._cdata, nbytes, [t], [], nbytes)
     if _spans_all(e):
         e.dense = True
     elif copy_span:
@@ -291,8 +291,12 @@ class SwapTensors:
 
     def _measure(self) -> None:
         """Sum the entries' sizes (read at every transition; the entries change rarely)."""
+        entries = self._entries
+        if len(entries) == 1:  # one layer input
+            self._nbytes, self._host_nbytes = entries[0].nbytes, entries[0].host_nbytes
+            return
         self._nbytes = self._host_nbytes = 0
-        for e in self._entries:
+        for e in entries:
             self._nbytes += e.nbytes
             self._host_nbytes += e.host_nbytes
 
