@@ -169,13 +169,14 @@ def _add_grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Non
     cost of hooking a layer's output. The keys are tuples, so they never collide with the
     handles' integer ids. A leaf or a tensor subclass takes the public path.
     """
-    if type(t) is not torch.Tensor or t.grad_fn is None:
+    grad_fn = t.grad_fn
+    if type(t) is not torch.Tensor or grad_fn is None:
         t.register_hook(hook)
         return
     hooks = t._backward_hooks
     if hooks is None:
         hooks = t._backward_hooks = OrderedDict()
-        t.grad_fn._register_hook_dict(t)
+        grad_fn._register_hook_dict(t)
     hooks[("swap_pass", next(_HOOK_KEYS))] = hook
 
 
