@@ -124,11 +124,9 @@ class BackwardGuard:
             discard_if_pending(self.manager, group)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        group, manager = self.group, self.manager
+        group = self.group
         if group is not None:
-            # The later layer's guard readied it and it left the FIFO: nothing to wait for then.
-            if group.stat is not DEVICE or manager.batch_stack:
-                manager.wait_swap_in(group)
+            self.manager.wait_swap_in(group)
             group.assert_on_device("BackwardGuard")
             self.group = None  # let go of it: see Note: [Group lifetime]
         if not self.fired:
@@ -147,9 +145,8 @@ class BackwardGuard:
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
         before, earlier = prev.previous, _link(group)()
-        if (before is not None and earlier is not None and before.prefetch_enabled
-                and earlier.stat is HOST):
-            earlier.swap_to_device()  # before.prefetch(earlier), one call less
+        if before is not None and earlier is not None and before.prefetch_enabled:
+            before.prefetch(earlier)
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
@@ -345,21 +342,16 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
     manager.ensure_registered()
-    if args and not kwargs and type(args[0]) is torch.Tensor:  # find_hidden_states()' answer
-        hidden_states = args[0]
-    else:
-        hidden_states = find_hidden_states(args, kwargs, api)
+    hidden_states = find_hidden_states(args, kwargs, api)
     ref = manager.layer_parameter  # weak: a registered manager must not keep a parameter alive
     known = ref() if ref is not None else None
     param = check_device(layer, hidden_states, api, known)
     if param is not known:
         manager.layer_parameter = weakref.ref(param) if param is not None else None
     try:
-        if manager.batch_stack:  # groups of earlier micro-batches (or of a forward that had none)
-            abandon_own_unguarded(manager)
+        abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
-        if _MAYBE_UNGUARDED:
-            guard_previous_on_input(manager, hidden_states)
+        guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)

@@ -28,7 +28,7 @@ import torch
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
-from swap_pass.runtime.swap_tensors import D2H, DEVICE, H2D, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.swap_tensors import D2H, DEVICE, HOST, SwapTensors, is_valid_for_swap
 
 __all__ = ["SwapLayerInputManager"]
 
@@ -316,9 +316,7 @@ class SwapLayerInputManager:
             if not self.batch_stack:
                 return None
             group = self.batch_stack[0]
-        if group.stat is H2D:  # the common case: prefetched (restore() would end the same way)
-            group.wait_h2d()
-        elif group.stat is not DEVICE:
+        if group.stat is not DEVICE:
             group.restore()
         self._forget(group)
         return group

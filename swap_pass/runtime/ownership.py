@@ -81,7 +81,7 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
     """
     if len(tensors) == 1 and tensors[0]._base is None:  # a layer input that is no view
         t = tensors[0]
-        extra = _use_count(t.untyped_storage()._cdata) - _ONE_HOLDER  # _holders(t) - 1
+        extra = _holders(t) - 1
         return extra if extra <= 0 else extra - _saved_as_output(t)
     known = {id(t): t for t in tensors}
     known.update((id(t._base), t._base) for t in tensors if t._base is not None)

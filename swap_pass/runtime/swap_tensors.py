@@ -264,9 +264,7 @@ class SwapTensors:
             self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
             self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        tensors, min_bytes = self.tensors, self.config.min_swap_bytes
-        self._entries = (_one_entry(tensors[0], min_bytes, copy_span) if len(tensors) == 1
-                         else _group_by_storage(tensors, min_bytes, copy_span))
+        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
         self._measure()
         self.device = self._common_device()
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
@@ -313,7 +311,7 @@ class SwapTensors:
             self._expect(DEVICE, "SwapTensors.swap_to_host")
         entries = self._entries
         for e in entries:  # see Note: [One storage, one live group]
-            e.versions = [e.tensors[0]._version] if e.dense else [t._version for t in e.tensors]
+            e.versions = [t._version for t in e.tensors]
             live_groups.claim(self, e.key)
         if entries:
             ds = self._ds or self._streams()
@@ -322,15 +320,13 @@ class SwapTensors:
             else:
                 if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                     stream = ds.d2h_stream()
-                if stream is not None:  # see _order_after_compute()
-                    _order_after_compute(ds, stream)
+                _order_after_compute(ds, stream)
                 for e in entries:
                     if e.host_event is not None:
                         ds.wait(stream, e.host_event)
                         e.host_event = None
                     e.copy_out(ds, stream)
-                # None where the copies are done (synchronous): no event to wait on
-                self._event = None if stream is None else ds.record_event(stream)
+                self._event = _record(ds, stream)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = D2H
 
@@ -342,9 +338,8 @@ class SwapTensors:
         entries = self._entries
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            if self._event is not None:
-                _wait_on_compute(ds, self._event)
-                self._event = None
+            _wait_on_compute(ds, self._event)
+            self._event = None
             for e in entries:
                 if e.dense:  # see Note: [Dense copies]
                     e.alias = e.tensors[0].data
@@ -364,12 +359,10 @@ class SwapTensors:
                 e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream()
-            if stream is not None:  # see _order_after_compute()
-                _order_after_compute(ds, stream)
+            _order_after_compute(ds, stream)
             for e in entries:
                 e.copy_in(ds, stream)
-            # None where the copies are done (synchronous): no event to wait on
-            self._event = None if stream is None else ds.record_event(stream)
+            self._event = _record(ds, stream)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
 
@@ -379,9 +372,8 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
-            if self._event is not None:
-                _wait_on_compute(self._ds or self._streams(), self._event)
-                self._event = None
+            _wait_on_compute(self._ds or self._streams(), self._event)
+            self._event = None
             unguard(self._freed_tensors())
             self._release_host_buffers()
         self._leave_registry()  # see Note: [One storage, one live group]
@@ -410,8 +402,7 @@ class SwapTensors:
             self._abandon_d2h()
         elif self.stat in (HOST, H2D):
             if self.stat == H2D:
-                if self._event is not None:
-                    _wait_on_compute(self._streams(), self._event)
+                _wait_on_compute(self._streams(), self._event)
                 unguard(self._freed_tensors())
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
@@ -550,19 +541,24 @@ class SwapTensors:
                     )
 
 
-def _order_after_compute(ds: DeviceStreams, stream: torch.Stream) -> None:
+def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
     """Make ``stream`` wait for the work queued so far on the compute stream.
 
-    Callers skip it where ``stream`` is None: copies are synchronous there (CPU), nothing to
-    order.
+    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
     """
-    ds.wait(stream, ds.record_event(ds.compute_stream()))
+    if stream is not None:
+        ds.wait(stream, ds.record_event(ds.compute_stream()))
+
+
+def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
+    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
+    return None if stream is None else ds.record_event(stream)
 
 
 def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
-    """Make the compute stream wait for ``event``; callers skip it for None (a synchronous
-    copy, already done)."""
-    ds.wait(ds.compute_stream(), event)
+    """Make the compute stream wait for ``event`` (None: a synchronous copy, already done)."""
+    if event is not None:
+        ds.wait(ds.compute_stream(), event)
 
 
 def discard_groups_off_device(*, restore: bool = False) -> int:
