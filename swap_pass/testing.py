@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from swap_pass.runtime import device as _device
+from swap_pass.runtime.host_pool import host_pool
 
 __all__ = ["ModelEvent", "ModelStream", "StreamModel", "poison_", "stream_model"]
 
@@ -318,9 +319,11 @@ def stream_model(seed: int = 0, early_probability: float = 0.25) -> Iterator[Str
                                "Models do not nest; exit the first one before starting another.")
         model = StreamModel(seed, early_probability)
         _device._cpu_model = model
+        host_pool().on_release = model.host_buffer_released
     try:
         yield model
     finally:
         model.synchronize()
         with _active_lock:
             _device._cpu_model = None
+            host_pool().on_release = None

@@ -198,8 +198,8 @@ def copy_range_name(nbytes: int) -> str:
 
 _streams_lock = threading.Lock()
 _streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
-# Set by swap_pass.testing.stream_model while it is active: a callable returning the modelled
-# DeviceStreams of a CPU device, and a hook told about every host buffer given back to the pool.
+# Set by swap_pass.testing.stream_model while it is active: what makes the modelled DeviceStreams
+# of a CPU device.
 _cpu_model = None
 
 
@@ -223,8 +223,3 @@ def device_streams(device: torch.device | str, use_streams: bool = True) -> Devi
             _streams[key] = DeviceStreams(dev, use_streams)
         return _streams[key]
 
-
-def host_buffer_released(buf: torch.Tensor) -> None:
-    """Called by the host pool for every buffer given back (the stream model poisons it)."""
-    if _cpu_model is not None:
-        _cpu_model.host_buffer_released(buf)
