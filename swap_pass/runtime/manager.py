@@ -318,7 +318,8 @@ class SwapLayerInputManager:
             group = self.batch_stack[0]
         if group.stat is not DEVICE:
             group.restore()
-        self._forget(group)
+        if group in self.batch_stack:  # groups compare by identity
+            self.batch_stack.remove(group)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------
@@ -335,11 +336,7 @@ class SwapLayerInputManager:
     def discard(self, group: SwapTensors) -> None:
         """Discard one group whose tensors will never be read again (its graph was freed)."""
         group.discard()
-        self._forget(group)
-
-    def _forget(self, group: SwapTensors) -> None:
-        if group in self.batch_stack:  # groups compare by identity
-            self.batch_stack.remove(group)
+        self.wait_swap_in(group)  # the group is in state "device" now: this only forgets it
 
     # --- class-level helpers ------------------------------------------------------------------
 
