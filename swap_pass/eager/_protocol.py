@@ -77,12 +77,10 @@ import torch
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import may_free
-from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors
+from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
 
-__all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "is_guarded", "run_layer"]
+__all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "run_layer"]
 
-_GUARDED_ATTR = "_swap_pass_guarded"
-_PREVIOUS_ATTR = "_swap_pass_previous"  # weak reference: the previous layer's group, same micro-batch
 _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 # Tags under which a no-grad layer call left a group that no guard protects yet (Note: [No-grad
 # first forward]); only their layer calls look for such groups. A tag leaves the set when its
@@ -105,14 +103,16 @@ class BackwardGuard:
             Default: ``None`` (the one linked to ``group``).
     """
 
+    __slots__ = ("manager", "group", "fired", "_previous")  # one per layer call: no instance dict
+
     def __init__(self, manager: SwapLayerInputManager, group: SwapTensors | None,
                  previous: SwapTensors | None = None) -> None:
         self.manager = manager
         self.group = group
         self.fired = False
         if group is not None:
-            self._previous = _link(group)
-            setattr(group, _GUARDED_ATTR, True)
+            self._previous = group.previous_link
+            group.guarded = True
         else:
             self._previous = _weak(previous)
 
@@ -144,7 +144,7 @@ class BackwardGuard:
             return
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
-        before, earlier = prev.previous, _link(group)()
+        before, earlier = prev.previous, group.previous_link()
         if before is not None and earlier is not None and before.prefetch_enabled:
             before.prefetch(earlier)
 
@@ -177,20 +177,10 @@ def _add_grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Non
     hooks[("swap_pass", next(_HOOK_KEYS))] = hook
 
 
-def _none() -> None:
-    return None
-
-
-_NONE = _none  # a dead link: what a weak reference to no group returns
 
 
 def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
-    return weakref.ref(group) if group is not None else _NONE
-
-
-def _link(group: SwapTensors) -> Callable[[], SwapTensors | None]:
-    """The previous layer's group of ``group``'s micro-batch, if it had one and it lives."""
-    return getattr(group, _PREVIOUS_ATTR, _NONE)
+    return weakref.ref(group) if group is not None else no_group
 
 
 def _in_flight_out(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
@@ -215,11 +205,6 @@ def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> No
         manager.wait_swap_in(group)
 
 
-def is_guarded(group: SwapTensors) -> bool:
-    """Whether a backward guard protects ``group`` (only guarded groups may be freed)."""
-    return getattr(group, _GUARDED_ATTR, False)
-
-
 # --- forward-side steps ---------------------------------------------------------------------
 
 
@@ -229,7 +214,7 @@ def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
     ``copying_earlier()``); abandon the unguarded ones (if ``abandon``: a later call may still
     guard them otherwise)."""
     for prev, group in earlier:
-        guarded = is_guarded(group)
+        guarded = group.guarded
         if guarded and may_free(group.tensors, prev.name):
             group.wait_d2h()
         elif guarded or abandon:
@@ -256,7 +241,7 @@ def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
     if manager.module_tag not in _MAYBE_UNGUARDED:
         return
     for prev, group in manager.copying_earlier():
-        if not is_guarded(group):
+        if not group.guarded:
             prev.wait_swap_in(group)
     _MAYBE_UNGUARDED.discard(manager.module_tag)
 
@@ -271,14 +256,14 @@ def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch
     if manager.module_tag not in _MAYBE_UNGUARDED or not _left_region(hidden_states):
         return
     for prev, group in manager.copying_earlier():
-        if not is_guarded(group):
+        if not group.guarded:
             BackwardGuard(prev, group).attach([hidden_states])
 
 
 def abandon_own_unguarded(manager: SwapLayerInputManager) -> None:
     """Restore this layer's groups that were never guarded (their next layer never ran)."""
     for group in list(manager.batch_stack):
-        if not is_guarded(group):
+        if not group.guarded:
             manager.wait_swap_in(group)
 
 
@@ -323,7 +308,7 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
     group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
-        setattr(group, _PREVIOUS_ATTR, _weak(previous))
+        group.previous_link = _weak(previous)
     if outputs:
         BackwardGuard(manager, group, previous).attach(outputs)
     elif group is not None:  # guarded by the next call whose input left the region, if any

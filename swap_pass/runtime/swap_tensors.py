@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,7 +47,7 @@ from swap_pass.runtime.freed_guard import guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
 
-__all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap"]
+__all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap", "no_group"]
 
 _DEFAULT_CONFIG = SwapConfig()
 _POOL = host_pool()  # process-wide, never replaced: read once instead of a call per transition
@@ -73,6 +74,12 @@ class SwapState(str, enum.Enum):
 # ``SwapState.DEVICE`` goes through the enum's metaclass, over 10x the cost of a global read
 # (76 ns against 6 ns on CPython 3.11, ``python -m timeit``).
 DEVICE, D2H, HOST, H2D = SwapState.DEVICE, SwapState.D2H, SwapState.HOST, SwapState.H2D
+_version = operator.attrgetter("_version")  # map() over it: no comprehension frame per swap
+
+
+def no_group() -> None:
+    """A dead link to a group: what :attr:`SwapTensors.previous_link` is until it is set."""
+    return None
 
 
 def _is_view_of_parameter(tensor: torch.Tensor) -> bool:
@@ -132,27 +139,6 @@ class _StorageEntry:
     dense: bool = False  # one contiguous tensor over every byte: see Note: [Dense copies]
     alias: torch.Tensor | None = None  # dense, while freed: the copy back's destination
 
-    def copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of the storage (or its span) into ``host`` on ``stream``."""
-        if self.dense:  # host has the tensor's dtype and shape: see Note: [Dense copies]
-            ds.copy(stream, self.host, self.tensors[0].data)
-        elif self.span is None:  # storage to storage: no byte view to build
-            ds.copy(stream, self.host.untyped_storage(), self.storage)
-        else:
-            lo, hi = self.span
-            ds.copy(stream, self.host, _bytes_view(self.storage, lo, hi - lo))
-
-    def copy_in(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
-        """Queue the copy of ``host`` back into the (re-allocated) storage on ``stream``."""
-        if self.dense:
-            ds.copy(stream, self.alias, self.host)
-        elif self.span is None:
-            ds.copy(stream, self.storage, self.host.untyped_storage())
-        else:
-            lo, hi = self.span
-            ds.copy(stream, _bytes_view(self.storage, lo, hi - lo), self.host)
-
-
 
 # One empty uint8 tensor per device, whose new_empty() makes each byte view.
 _EMPTY_BYTES: dict[torch.device, torch.Tensor] = {}
@@ -172,10 +158,8 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
                       copy_span: bool = False) -> list[_StorageEntry]:
     """One entry per distinct storage that holds bytes, at least ``min_bytes`` of them.
 
-    One tensor (a layer input) takes :func:`_one_entry`: no dict of storages to build.
+    A group of one tensor (a layer input) is built by :func:`_one_entry` instead.
     """
-    if len(tensors) == 1:
-        return _one_entry(tensors[0], min_bytes, copy_span)
     entries: dict[int, _StorageEntry] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -196,7 +180,8 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
 
 
 def _one_entry(t: torch.Tensor, min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
-    """:func:`_group_by_storage` of one tensor."""
+    """The entries of a group of one tensor, without a dict of storages; the entry is dense when
+    the tensor spans its whole storage (see Note: [Dense copies])."""
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
@@ -245,7 +230,17 @@ class SwapTensors:
         tensors: The tensors the group swaps.
         kept_on_device: True when host memory ran out under ``on_host_exhausted="keep_on_device"``
             and the group's data never left the device.
+        guarded: Set by the layer protocol that drives the group (``swap_pass/eager``): a
+            backward guard protects it, so it may be freed. Default: ``False``.
+        previous_link: Set by the same protocol: a weak reference to the previous layer's group
+            of the same micro-batch. Default: a dead link (calling it returns None).
     """
+
+    # A group is made per swapped layer per step: its own attributes live in slots (``__dict__``
+    # is made only for attributes a caller adds).
+    __slots__ = ("config", "tensors", "name", "device", "stat", "kept_on_device", "guarded",
+                 "previous_link", "_entries", "_nbytes", "_host_nbytes", "_entry_tensors",
+                 "_keys", "_ds", "_pinned", "_event", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -264,13 +259,29 @@ class SwapTensors:
             self.config = _DEFAULT_CONFIG if config is None else check_config(config, "SwapTensors")
             self.tensors = [t for t in tensors if is_valid_for_swap(t, custom_check_fn)]
         self.name = name
-        self._entries = _group_by_storage(self.tensors, self.config.min_swap_bytes, copy_span)
-        self._measure()
-        self.device = self._common_device()
+        tensors, min_bytes = self.tensors, self.config.min_swap_bytes
+        if len(tensors) == 1:  # a layer input
+            self._entries = _one_entry(tensors[0], min_bytes, copy_span)
+        else:
+            self._entries = _group_by_storage(tensors, min_bytes, copy_span)
+        self._take_stock()
+        entries = self._entries
+        if len(entries) == 1:  # the common case: one layer input
+            self.device = entries[0].storage.device
+        else:
+            devices = {e.storage.device for e in entries}
+            if len(devices) > 1:
+                raise ValueError(
+                    f"swap_pass.SwapTensors: tensors of {self.name or 'one group'} are on several "
+                    f"devices ({sorted(str(d) for d in devices)}). A group must be on one device."
+                )
+            self.device = next(iter(devices), None)
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self._pinned: bool | None = None
         self.stat = DEVICE
         self.kept_on_device = False
+        self.guarded = False
+        self.previous_link: Callable[[], SwapTensors | None] = no_group
         self._event = None
 
     def __repr__(self) -> str:
@@ -287,16 +298,19 @@ class SwapTensors:
         """Bytes copied to the host: whole storages, or their spans under ``copy_span``."""
         return self._host_nbytes
 
-    def _measure(self) -> None:
-        """Sum the entries' sizes (read at every transition; the entries change rarely)."""
+    def _take_stock(self) -> None:
+        """Sum the entries' sizes, list their tensors (the ones freed and guarded) and storage
+        keys: read at every transition, while the entries change rarely."""
         entries = self._entries
         if len(entries) == 1:  # one layer input
-            self._nbytes, self._host_nbytes = entries[0].nbytes, entries[0].host_nbytes
+            e = entries[0]
+            self._nbytes, self._host_nbytes = e.nbytes, e.host_nbytes
+            self._entry_tensors, self._keys = e.tensors, [e.key]
             return
-        self._nbytes = self._host_nbytes = 0
-        for e in entries:
-            self._nbytes += e.nbytes
-            self._host_nbytes += e.host_nbytes
+        self._nbytes = sum(e.nbytes for e in entries)
+        self._host_nbytes = sum(e.host_nbytes for e in entries)
+        self._entry_tensors = [t for e in entries for t in e.tensors]
+        self._keys = [e.key for e in entries]
 
     @property
     def is_empty(self) -> bool:
@@ -311,7 +325,7 @@ class SwapTensors:
             self._expect(DEVICE, "SwapTensors.swap_to_host")
         entries = self._entries
         for e in entries:  # see Note: [One storage, one live group]
-            e.versions = [t._version for t in e.tensors]
+            e.versions = list(map(_version, e.tensors))
             live_groups.claim(self, e.key)
         if entries:
             ds = self._ds or self._streams()
@@ -320,13 +334,7 @@ class SwapTensors:
             else:
                 if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                     stream = ds.d2h_stream()
-                _order_after_compute(ds, stream)
-                for e in entries:
-                    if e.host_event is not None:
-                        ds.wait(stream, e.host_event)
-                        e.host_event = None
-                    e.copy_out(ds, stream)
-                self._event = _record(ds, stream)
+                self._event = _queue_copies(ds, stream, entries, to_host=True)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = D2H
 
@@ -334,8 +342,11 @@ class SwapTensors:
         """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host")."""
         if self.stat is not D2H:  # checked inline: every transition passes here
             self._expect(D2H, "SwapTensors.wait_d2h")
-        self._check_unmodified("between swap_to_host() and wait_d2h()")
         entries = self._entries
+        for e in entries:  # nothing written since swap_to_host()
+            for t, v in zip(e.tensors, e.versions):
+                if t._version != v:
+                    raise _modified_error(self.name, t, v, "between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
             _wait_on_compute(ds, self._event)
@@ -344,7 +355,7 @@ class SwapTensors:
                 if e.dense:  # see Note: [Dense copies]
                     e.alias = e.tensors[0].data
                 ds.free_storage(e.storage)
-            guard_freed(self._freed_tensors(), self.name or "a swap group", self)
+            guard_freed(self._entry_tensors, self.name or "a swap group", self)
             stats.record_released(self._nbytes)
         self.stat = HOST
 
@@ -359,10 +370,7 @@ class SwapTensors:
                 e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream()
-            _order_after_compute(ds, stream)
-            for e in entries:
-                e.copy_in(ds, stream)
-            self._event = _record(ds, stream)
+            self._event = _queue_copies(ds, stream, entries, to_host=False)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
 
@@ -374,7 +382,7 @@ class SwapTensors:
         if not self.kept_on_device and entries:
             _wait_on_compute(self._ds or self._streams(), self._event)
             self._event = None
-            unguard(self._freed_tensors())
+            unguard(self._entry_tensors)
             self._release_host_buffers()
         self._leave_registry()  # see Note: [One storage, one live group]
         self.kept_on_device = False
@@ -403,13 +411,13 @@ class SwapTensors:
         elif self.stat in (HOST, H2D):
             if self.stat == H2D:
                 _wait_on_compute(self._streams(), self._event)
-                unguard(self._freed_tensors())
+                unguard(self._entry_tensors)
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
             self._release_host_buffers()
         self._leave_registry()
         self._entries = []
-        self._measure()
+        self._take_stock()
         self.tensors = []
         self.kept_on_device = False
         self.stat = DEVICE
@@ -452,17 +460,6 @@ class SwapTensors:
         if self.stat != state:
             raise SwapStateError(api, self.stat.value, state.value, self.name)
 
-    def _common_device(self) -> torch.device | None:
-        if len(self._entries) == 1:  # the common case: one layer input
-            return self._entries[0].storage.device
-        devices = {e.storage.device for e in self._entries}
-        if len(devices) > 1:
-            raise ValueError(
-                f"swap_pass.SwapTensors: tensors of {self.name or 'one group'} are on several "
-                f"devices ({sorted(str(d) for d in devices)}). A group must be on one device."
-            )
-        return next(iter(devices), None)
-
     def _streams(self) -> DeviceStreams:
         """The device's streams, looked up once; whether our host buffers are pinned with them
         (asked once: it is the pool's bucket key too)."""
@@ -499,9 +496,7 @@ class SwapTensors:
         _holding_host_buffers.pop(id(self), None)
 
     def _leave_registry(self) -> None:
-        entries = self._entries
-        live_groups.release_all(self, [entries[0].key] if len(entries) == 1 else
-                                [e.key for e in entries])
+        live_groups.release_all(self, self._keys)
 
     def drop_storage(self, key: int) -> None:
         """A newer group took over a storage of ours (see Note: [One storage, one live group])."""
@@ -512,7 +507,7 @@ class SwapTensors:
                 if e.host is not None:
                     host_pool().release(e.host, self._event)  # our copy may still write it
                 del self._entries[idx]
-                self._measure()
+                self._take_stock()
                 self.tensors = [t for t in self.tensors if all(t is not u for u in e.tensors)]
                 return
 
@@ -524,34 +519,44 @@ class SwapTensors:
         self.kept_on_device = False
         self.stat = DEVICE
 
-    def _freed_tensors(self) -> list[torch.Tensor]:
-        entries = self._entries
-        return entries[0].tensors if len(entries) == 1 else [t for e in entries for t in e.tensors]
 
-    def _check_unmodified(self, when: str) -> None:
-        """Raise :class:`SwapDataError` if a tensor was written since :meth:`swap_to_host`."""
-        for e in self._entries:
-            for t, v in zip(e.tensors, e.versions):
-                if t._version != v:
-                    raise SwapDataError(
-                        f"swap_pass.SwapTensors: a tensor of {self.name or 'a swap group'} "
-                        f"(shape {tuple(t.shape)}, {t.dtype}) was modified in place {when} "
-                        f"(version {v} -> {t._version}). A swapped tensor must not be written "
-                        "between swap-out and swap-in; clone it before modifying it."
-                    )
+def _modified_error(name: str | None, t: torch.Tensor, version: int, when: str) -> SwapDataError:
+    """The error for a swapped tensor written in place (its version moved on from ``version``)."""
+    return SwapDataError(
+        f"swap_pass.SwapTensors: a tensor of {name or 'a swap group'} (shape {tuple(t.shape)}, "
+        f"{t.dtype}) was modified in place {when} (version {version} -> {t._version}). A swapped "
+        "tensor must not be written between swap-out and swap-in; clone it before modifying it."
+    )
 
 
-def _order_after_compute(ds: DeviceStreams, stream: torch.Stream | None) -> None:
-    """Make ``stream`` wait for the work queued so far on the compute stream.
+def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[_StorageEntry],
+                  to_host: bool) -> object:
+    """Queue each entry's copy to (``to_host``) or from its host buffer on ``stream``, ordered
+    after the compute stream's work so far (and, to the host, after a reused buffer's last copy);
+    return the event recorded after them.
 
-    ``stream`` is None only where copies are synchronous (CPU): nothing to order then.
+    A dense entry copies tensor to tensor (see Note: [Dense copies]), any other whole storage
+    storage to storage, a span through a byte view of the storage. ``stream`` is None only where
+    copies are synchronous (CPU): nothing to order, no event.
     """
     if stream is not None:
         ds.wait(stream, ds.record_event(ds.compute_stream()))
-
-
-def _record(ds: DeviceStreams, stream: torch.Stream | None) -> object:
-    """An event after the work queued so far on ``stream``; None where copies are synchronous."""
+    for e in entries:
+        if to_host and e.host_event is not None:
+            ds.wait(stream, e.host_event)
+            e.host_event = None
+        host = e.host
+        if e.dense:  # host has the tensor's dtype and shape: see Note: [Dense copies]
+            device = e.tensors[0].data if to_host else e.alias
+        elif e.span is None:  # storage to storage: no byte view to build
+            device, host = e.storage, host.untyped_storage()
+        else:
+            lo, hi = e.span
+            device = _bytes_view(e.storage, lo, hi - lo)
+        if to_host:
+            ds.copy(stream, host, device)
+        else:
+            ds.copy(stream, device, host)
     return None if stream is None else ds.record_event(stream)
 
 
