@@ -95,8 +95,8 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
     """Whether ``tensor`` may be swapped.
 
     False for non-tensors, ``nn.Parameter`` and views of one, tensors whose storage is empty
-    (already freed, or zero bytes), meta and sparse tensors. Otherwise ``custom_check_fn(tensor)``
-    decides when given.
+    (already freed, or zero bytes), meta, sparse and nested tensors (their data is not one
+    storage's bytes). Otherwise ``custom_check_fn(tensor)`` decides when given.
     """
     # type() first: it rules out non-tensors, Parameters and subclasses (a guarded tensor). A
     # plain tensor marked ``_is_param`` is an instance of Parameter too.
@@ -104,7 +104,7 @@ def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], 
         return False
     if tensor._base is not None and _is_view_of_parameter(tensor):
         return False
-    if tensor.is_meta or tensor.layout != torch.strided:
+    if tensor.is_meta or tensor.layout != torch.strided or tensor.is_nested:
         return False
     if tensor.untyped_storage().nbytes() == 0:
         return False
@@ -202,10 +202,14 @@ def _narrow_to_span(e: _StorageEntry) -> None:
 
 
 def _spans_all(e: _StorageEntry) -> bool:
-    """The common case, decided without :func:`byte_span`: one contiguous tensor over all bytes."""
+    """The common case, decided without :func:`byte_span`: one contiguous tensor over all bytes.
+
+    A quantized tensor is never dense: no plain host buffer takes its dtype, so its storage is
+    copied byte for byte (its scale and zero point stay with the tensor).
+    """
     t = e.tensors[0]
     return (len(e.tensors) == 1 and t.storage_offset() == 0 and t.nbytes == e.nbytes
-            and t.is_contiguous())
+            and t.is_contiguous() and not t.is_quantized)
 
 
 class SwapTensors:

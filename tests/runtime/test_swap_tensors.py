@@ -209,6 +209,34 @@ def test_meta_tensors_are_left_out_of_a_group() -> None:
     assert len(group.tensors) == 1 and group.tensors[0] is a
 
 
+def test_quantized_tensor_round_trips_bitwise(device) -> None:
+    if device.type != "cpu":
+        pytest.skip("quantized tensors are CPU tensors here")
+    q = torch.quantize_per_tensor(torch.randn(4, 8), 0.1, 3, torch.qint8)
+    expected = q.int_repr().clone()
+    group = SwapTensors([q])
+    group.swap_to_host()
+    group.wait_d2h()
+    assert q.untyped_storage().nbytes() == 0, "the storage must really be freed"
+    group.swap_to_device()
+    group.wait_h2d()
+    assert torch.equal(q.int_repr(), expected)
+    assert (q.q_scale(), q.q_zero_point(), q.dtype) == (0.1, 3, torch.qint8)
+
+
+def test_nested_tensors_are_left_out_of_a_group() -> None:
+    nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+    jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)],
+                                        layout=torch.jagged)
+    plain = torch.randn(4)
+    before = [t.clone() for t in nested.unbind()]
+    assert not is_valid_for_swap(nested) and not is_valid_for_swap(jagged)
+    group = SwapTensors([nested, jagged, plain])
+    assert len(group.tensors) == 1 and group.tensors[0] is plain
+    _round_trip(group)
+    assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), before))
+
+
 def test_in_place_write_during_d2h_detected(device) -> None:
     t = torch.randn(4, device=device)
     group = SwapTensors([t], name="layers.3")
