@@ -177,8 +177,6 @@ def _add_grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Non
     hooks[("swap_pass", next(_HOOK_KEYS))] = hook
 
 
-
-
 def _weak(group: SwapTensors | None) -> Callable[[], SwapTensors | None]:
     return weakref.ref(group) if group is not None else no_group
 
