@@ -15,10 +15,16 @@ Instructions are not time: they leave out cache misses, which cost the eager pat
 ``save_on_cpu`` (its work is spread over more Python objects). Read the ratio beside the CPU
 times of ``scripts/host_cost_phases.py``.
 
+With ``--simulate``, callgrind also simulates the caches (sized like this machine's L1 and L2,
+read from ``/sys/devices/system/cpu``) and the branch predictor, and the script prints, for each
+event, what each method adds per layer and their ratio: instruction and data cache misses and
+mispredicted branches are where CPU time and instructions part. Several times slower.
+
 Needs ``valgrind`` and a CPython whose symbols are not stripped (pyenv and Debian builds keep
-them). Takes about three minutes.
+them). Takes about three minutes (``--simulate``: about ten).
 
 Usage: PYTHONPATH=<checkout> python scripts/host_cost_instructions.py [--layers 32 --steps 10]
+       [--simulate]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 # The C function that runs each method's steps: callgrind collects inside these only.
 _DRIVERS = {"plain": "starmap_next", "eager": "filterfalse_next",
@@ -76,23 +83,53 @@ def _steps(layers: int, steps: int) -> None:
     handle.remove()
 
 
-def _inclusive(out_file: str) -> dict[str, int]:
-    """Instructions inside each driver, read with ``callgrind_annotate --inclusive=yes``."""
-    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", out_file], check=True,
-                          capture_output=True, text=True).stdout
-    found: dict[str, int] = {}
+# Events of a --simulate run, in callgrind's names, with what the table calls them.
+_SIMULATED = {"Ir": "instructions", "I1mr": "L1 instruction misses", "D1mr": "L1 data read misses",
+              "DLmr": "last-level data read misses", "Bcm": "mispredicted conditional branches",
+              "Bim": "mispredicted indirect branches"}
+
+
+def _inclusive(out_file: str, events: list[str]) -> dict[str, list[int]]:
+    """Each driver's counts of ``events`` (inclusive), read with ``callgrind_annotate``."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", f"--show={','.join(events)}",
+                           out_file], check=True, capture_output=True, text=True).stdout
+    found: dict[str, list[int]] = {}
     for line in text.splitlines():
-        match = re.match(r"\s*([\d,]+)\s.*:(\w+_next)\b", line)
-        if match and match.group(2) in _DRIVERS.values():
-            count = int(match.group(1).replace(",", ""))
-            found[match.group(2)] = max(found.get(match.group(2), 0), count)
+        match = re.search(r":(\w+_next)\b", line)
+        if match is None or match.group(1) not in _DRIVERS.values():
+            continue
+        counts = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) \(", line)]
+        if len(counts) == len(events) and counts > found.get(match.group(1), []):
+            found[match.group(1)] = counts
     return found
+
+
+def _cache_options() -> list[str]:
+    """valgrind's ``--I1``, ``--D1`` and ``--LL`` for this machine's L1 caches and its L2 (as
+    the last level: callgrind simulates two), or none where sysfs does not say."""
+    caches = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, kind, size, ways, line = (
+                (index / name).read_text().strip()
+                for name in ("level", "type", "size", "ways_of_associativity", "coherency_line_size"))
+        except OSError:
+            continue
+        scale = {"K": 1024, "M": 1024 * 1024}.get(size[-1:])
+        if scale is not None and size[:-1].isdigit():
+            caches[(level, kind)] = f"{int(size[:-1]) * scale},{ways},{line}"
+    wanted = {"--I1": ("1", "Instruction"), "--D1": ("1", "Data"), "--LL": ("2", "Unified")}
+    if not all(key in caches for key in wanted.values()):
+        return []
+    return [f"{option}={caches[key]}" for option, key in wanted.items()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--simulate", action="store_true",
+                        help="also simulate the caches and the branch predictor")
     args = parser.parse_args()
     if os.environ.get(_CHILD):
         _steps(args.layers, args.steps)
@@ -101,27 +138,47 @@ def main() -> None:
     if missing:
         sys.exit(f"host_cost_instructions: {', '.join(missing)} not found; install valgrind "
                  "(apt install valgrind) to count instructions.")
+    events = list(_SIMULATED) if args.simulate else ["Ir"]
+    simulation = (["--cache-sim=yes", "--branch-sim=yes", *_cache_options()] if args.simulate
+                  else [])
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "callgrind.out")
         toggles = [f"--toggle-collect={fn}" for fn in _DRIVERS.values()]
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}",
-                        *toggles, sys.executable, __file__, f"--layers={args.layers}",
+                        *simulation, *toggles, sys.executable, __file__, f"--layers={args.layers}",
                         f"--steps={args.steps}"], check=True, env={**os.environ, _CHILD: "1"},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        found = _inclusive(out_file)
+        found = _inclusive(out_file, events)
     absent = [fn for fn in _DRIVERS.values() if fn not in found]
     if absent:
         sys.exit(f"host_cost_instructions: callgrind counted nothing in {absent}; is this "
                  "CPython's binary stripped of its symbols?")
-    per_layer = {name: found[fn] / (2 * args.steps * args.layers) for name, fn in _DRIVERS.items()}
+    _report(found, events, args.layers, args.steps, " ".join(simulation[2:]))
+
+
+def _report(found: dict[str, list[int]], events: list[str], layers: int, steps: int,
+            caches: str) -> None:
+    """Print what eager and ``save_on_cpu (copying)`` add per layer over plain, per event."""
     import torch
 
-    print(f"instructions per layer per step ({args.layers} layers, 2 x {args.steps} steps, "
-          f"torch {torch.__version__}, callgrind): plain {per_layer['plain']:,.0f}")
-    added = {name: per_layer[name] - per_layer["plain"] for name in _DRIVERS if name != "plain"}
-    for name, extra in added.items():
-        print(f"  {name:22s} adds {extra:9,.0f}")
-    print(f"  eager / save_on_cpu (copying): {added['eager'] / added['save_on_cpu (copying)']:.2f}x")
+    rounds = 2 * steps * layers
+    per_layer = {name: [n / rounds for n in found[fn]] for name, fn in _DRIVERS.items()}
+    added = {name: [n - p for n, p in zip(per_layer[name], per_layer["plain"])]
+             for name in _DRIVERS if name != "plain"}
+    print(f"instructions per layer per step ({layers} layers, 2 x {steps} steps, "
+          f"torch {torch.__version__}, callgrind): plain {per_layer['plain'][0]:,.0f}")
+    if len(events) == 1:
+        for name, extra in added.items():
+            print(f"  {name:22s} adds {extra[0]:9,.0f}")
+        print(f"  eager / save_on_cpu (copying): "
+              f"{added['eager'][0] / added['save_on_cpu (copying)'][0]:.2f}x")
+        return
+    print(f"added per layer, simulated ({caches or 'valgrind default caches'}):")
+    for i, event in enumerate(events):
+        eager, copying = added["eager"][i], added["save_on_cpu (copying)"][i]
+        ratio = f"{eager / copying:.2f}x" if copying > 0 else "-"
+        print(f"  {_SIMULATED[event]:34s} eager {eager:9,.0f}  save_on_cpu (copying) "
+              f"{copying:8,.0f}  {ratio}")
 
 
 if __name__ == "__main__":

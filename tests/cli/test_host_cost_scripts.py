@@ -42,3 +42,18 @@ def test_the_counted_steps_swap_every_eager_layer_input_but_the_last():
     # 5 warm-up steps and 2 rounds of 1 step of the eager model, 3 layer inputs swapped in each
     assert swap_pass.swap_stats().swap_outs - before == 7 * 3
     assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+def test_the_simulated_report_prints_each_event_per_layer_and_its_ratio(capsys):
+    script = _load()
+    events = list(script._SIMULATED)
+    plain = [1000 * (i + 1) for i in range(len(events))]
+    found = {"starmap_next": plain,
+             "filterfalse_next": [n + 40 * (i + 1) for i, n in enumerate(plain)],
+             "dropwhile_next": [n + 10 * (i + 1) for i, n in enumerate(plain)]}
+    script._report(found, events, layers=2, steps=1, caches="--I1=32768,8,64")
+    lines = capsys.readouterr().out.splitlines()
+    assert "--I1=32768,8,64" in lines[1]
+    assert len(lines) == 2 + len(events)
+    for i, line in enumerate(lines[2:]):  # per layer: 4 rounds of (plain, eager, copying)
+        assert script._SIMULATED[events[i]] in line and line.endswith("4.00x"), line
