@@ -9,7 +9,9 @@ with ``enable_swap_layer_input``, and under ``torch.autograd.graph.save_on_cpu(p
 (the copying comparator of ``scripts/host_cost_phases.py``). Each method's steps run inside a C
 iterator of its own (``itertools.starmap``, ``filterfalse``, ``dropwhile``), and callgrind
 collects only inside those, so one run counts all three, torch's import and the warm-up steps
-left out. It prints each method's instructions per layer over plain, and their ratio.
+left out. The counted process runs with ``PYTHONHASHSEED=0``: with hashes seeded at random, dict
+and set layouts differ between runs, and so does the count, by a few hundred per layer. It prints
+each method's instructions per layer over plain, and their ratio.
 
 Instructions are not time: they leave out cache misses, which cost the eager path more than
 ``save_on_cpu`` (its work is spread over more Python objects). Read the ratio beside the CPU
@@ -111,8 +113,8 @@ def _cache_options() -> list[str]:
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             level, kind, size, ways, line = (
-                (index / name).read_text().strip()
-                for name in ("level", "type", "size", "ways_of_associativity", "coherency_line_size"))
+                (index / name).read_text().strip() for name in
+                ("level", "type", "size", "ways_of_associativity", "coherency_line_size"))
         except OSError:
             continue
         scale = {"K": 1024, "M": 1024 * 1024}.get(size[-1:])
@@ -146,7 +148,8 @@ def main() -> None:
         toggles = [f"--toggle-collect={fn}" for fn in _DRIVERS.values()]
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}",
                         *simulation, *toggles, sys.executable, __file__, f"--layers={args.layers}",
-                        f"--steps={args.steps}"], check=True, env={**os.environ, _CHILD: "1"},
+                        f"--steps={args.steps}"], check=True,
+                       env={**os.environ, _CHILD: "1", "PYTHONHASHSEED": "0"},  # same dict layouts
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         found = _inclusive(out_file, events)
     absent = [fn for fn in _DRIVERS.values() if fn not in found]
