@@ -222,4 +222,3 @@ def device_streams(device: torch.device | str, use_streams: bool = True) -> Devi
         if key not in _streams:
             _streams[key] = DeviceStreams(dev, use_streams)
         return _streams[key]
-

@@ -162,4 +162,3 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
         if type(t) is _SwappedOut:
             t.__class__ = torch.Tensor
             t.__dict__.pop(_WHERE, None)
-
