@@ -37,14 +37,22 @@ from torch.utils._pytree import tree_leaves
 
 from swap_pass.runtime.errors import SwapDataError
 
-__all__ = ["Restorable", "guard_freed", "is_guarded", "unguard"]
+__all__ = ["Restorable", "give_up", "guard_freed", "is_guarded", "unguard"]
 
-# The one attribute a guarded tensor carries: (the group's name, a weak reference to the group).
-_WHERE = "_swap_pass_swapped_out"
+# Where each guarded tensor's data went, by the tensor's id: a weak reference to the group that
+# freed it, or a name (the group gave the tensor up, or none was given). Kept here, not on the
+# tensor: an attribute would give each swapped layer input a dict of its own, and the dict and
+# its entry would be two more objects that live from the layer's forward to its backward
+# (see Note: [Few objects per group] in swap_tensors.py). An entry leaves when its tensor is
+# unguarded, or, for a tensor given up, when the tensor dies.
+_guards: dict[int, weakref.ref | str] = {}
+_UNNAMED = "a swap group"
 
 
 class Restorable(Protocol):
     """What :func:`guard_freed` needs of the group that freed the tensors."""
+
+    name: str | None  # shown in errors
 
     def restore_for_reader(self, in_backward: bool) -> bool:
         """Bring the data back for a reader if that is safe; return whether it is back."""
@@ -116,8 +124,17 @@ def _repr(t: torch.Tensor) -> str:
             f"dtype={t.dtype}, device='{t.device}')")
 
 
+def _group(t: torch.Tensor) -> Restorable | None:
+    guard = _guards.get(id(t))
+    return guard() if isinstance(guard, weakref.ref) else None
+
+
 def _where(t: torch.Tensor) -> str:
-    return getattr(t, _WHERE, ("a swap group", None))[0]
+    guard = _guards.get(id(t))
+    if isinstance(guard, str):
+        return guard
+    group = guard() if guard is not None else None
+    return (group.name if group is not None else None) or _UNNAMED
 
 
 def _restore_all(leaves: list) -> bool:
@@ -128,8 +145,7 @@ def _restore_all(leaves: list) -> bool:
     """
     guarded = [t for t in leaves if is_guarded(t)]
     for t in guarded:
-        ref = getattr(t, _WHERE, (None, None))[1]
-        group = ref() if ref is not None else None
+        group = _group(t)
         if group is None or not group.restore_for_reader(torch._C._current_graph_task_id() != -1):
             return False
     return not any(is_guarded(t) for t in guarded)
@@ -140,20 +156,21 @@ def is_guarded(obj: object) -> bool:
     return type(obj) is _SwappedOut
 
 
-def guard_freed(tensors: Iterable[torch.Tensor], where: str, group: Restorable | None = None) -> None:
+def guard_freed(tensors: Iterable[torch.Tensor], group: Restorable | str) -> None:
     """Make Python-level reads and writes of ``tensors`` raise :class:`SwapDataError`.
 
     Args:
-        tensors: Plain ``torch.Tensor`` objects whose storage was just freed.
-        where: The group's name, shown in the error.
+        tensors: Plain ``torch.Tensor`` objects whose storage was just freed. The caller holds
+            them until it calls :func:`unguard` or :func:`give_up`.
         group: The group that freed them, held weakly: a reader that may wait asks it to bring
-            the data back. Default: ``None`` (always raise).
+            the data back, and the error names it (its ``name``). Or only a name: readers always
+            get the error.
     """
-    guard = (where, weakref.ref(group) if group is not None else None)
+    guard = group if isinstance(group, str) else weakref.ref(group)
     for t in tensors:
         if type(t) is torch.Tensor:
             t.__class__ = _SwappedOut
-            t.__dict__[_WHERE] = guard
+            _guards[id(t)] = guard
 
 
 def unguard(tensors: Iterable[torch.Tensor]) -> None:
@@ -161,4 +178,14 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         if type(t) is _SwappedOut:
             t.__class__ = torch.Tensor
-            t.__dict__.pop(_WHERE, None)
+            _guards.pop(id(t), None)
+
+
+def give_up(tensors: Iterable[torch.Tensor], where: str) -> None:
+    """The group that freed ``tensors`` lets go of them, their data not restored: they stay
+    guarded for good, the error naming ``where``, and the entry leaves with the tensor."""
+    for t in tensors:
+        if type(t) is _SwappedOut:
+            key = id(t)
+            _guards[key] = where
+            weakref.finalize(t, _guards.pop, key, None)

@@ -243,8 +243,8 @@ class SwapLayerInputManager:
         """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
 
         The first layer's first group of each size runs :meth:`preflight_for` first.
-        ``copy_span`` is for tensors that :meth:`claim` returned (see :class:`SwapTensors`):
-        they are not checked again.
+        ``copy_span`` is for the list that :meth:`claim` returned (see :class:`SwapTensors`):
+        its tensors are not checked again, and the group keeps the list.
         """
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
                             name=name or self.name, copy_span=copy_span, checked=copy_span)
@@ -302,7 +302,7 @@ class SwapLayerInputManager:
         """Start the host-to-device copy of ``group`` (default: the oldest group on the host)."""
         if group is None:
             group = next((g for g in self.batch_stack if g.stat == HOST), None)
-        if group is not None and group.stat == HOST:
+        if group is not None and group.stat is HOST:
             group.swap_to_device()
         return group
 
@@ -318,8 +318,11 @@ class SwapLayerInputManager:
             group = self.batch_stack[0]
         if group.stat is not DEVICE:
             group.restore()
-        if group in self.batch_stack:  # groups compare by identity
-            self.batch_stack.remove(group)
+        stack = self.batch_stack
+        if stack and stack[0] is group:  # the oldest: backward runs micro-batches in order
+            del stack[0]
+        elif group in stack:  # groups compare by identity
+            stack.remove(group)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 import swap_pass
 from swap_pass import SwapConfig, SwapStateError, SwapTensors, is_valid_for_swap
 from swap_pass.runtime import host_pool
-from swap_pass.runtime.freed_guard import is_guarded
+from swap_pass.runtime.freed_guard import _guards, is_guarded
 
 STATES = ["device", "d2h", "host", "h2d"]
 TRANSITIONS = {  # method -> the only state it may be called in
@@ -286,11 +286,33 @@ def test_reading_a_tensor_in_flight_back_waits_for_its_copy(device) -> None:
 
 def test_discarded_host_group_stays_guarded(device) -> None:
     t = torch.randn(64, device=device)
-    group = SwapTensors([t])
+    group = SwapTensors([t], name="model.layers[3]")
     group.swap_to_host()
     group.wait_d2h()
     group.discard()  # nobody will restore it: its storage stays freed, so it stays guarded
     assert is_guarded(t) and t.untyped_storage().nbytes() == 0
+    del group  # the error still names where the data went
+    with pytest.raises(swap_pass.SwapDataError, match=r"a tensor of model\.layers\[3\]"):
+        t + 1
+
+
+def test_a_guard_leaves_no_trace_on_the_tensor_or_behind_it(device) -> None:
+    t = torch.randn(64, device=device)
+    group = SwapTensors([t], name="layer")
+    group.swap_to_host()
+    group.wait_d2h()
+    assert is_guarded(t) and _guards[id(t)]() is group
+    assert vars(t) == {}  # nothing is set on the tensor itself
+    group.restore()
+    assert not is_guarded(t) and id(t) not in _guards
+    group = SwapTensors([t])
+    group.swap_to_host()
+    group.wait_d2h()
+    group.discard()
+    key = id(t)
+    assert key in _guards
+    del t  # a tensor given up takes its entry with it
+    assert key not in _guards
 
 
 def test_kept_on_device_is_never_guarded(device) -> None:
