@@ -7,9 +7,18 @@ hides host time only while the host stays ahead of the device; with small layers
 micro-batches the host cost is the overhead users see.
 
 Method: one intra-op thread; every method's model built from the same seed; warm-up steps;
-then ``rounds`` rounds, each running one step of every method in turn (paired, so load that
-comes and goes hits all of them alike). A method's figure is the median over rounds of its
-step's process CPU time minus the no-swap step's in the same round, divided by ``layers``.
+then ``rounds`` rounds. A round times one step of every method, in an order shuffled per round
+(seeded), each paired with a no-swap step timed right before it: load that comes and goes hits
+both alike. Each timed step follows an untimed step of its own method, as a step follows a step
+of the same method in training: timed right after another method's step, a method whose work is
+spread over more code and objects pays for caches the other left cold, and the figures moved by
+half between runs (``save_on_cpu (copying)`` read 22-43 us per layer in three runs, against
+19-20 us when each step follows its own). A method's figure is the median over rounds of its
+step's process CPU time minus its pair's, divided by ``layers``. The
+cyclic garbage collector is paused during each timed step, as ``timeit`` pauses it, and the
+young generation collected before it: a collection costs whichever step it falls in, often a
+tenth of a tiny step, far more than the difference measured. What a method adds to collection
+over many steps is ``scripts/host_cost_gc.py``'s to measure.
 
 Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``tensor.cpu()``,
 which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
@@ -26,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -171,15 +182,33 @@ HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
 }
 
 
+_REFERENCE = "no swap"
+
+
 def _cpu_time(fn: Callable[[], None]) -> float:
-    t = time.process_time()
-    fn()
-    return time.process_time() - t
+    """Process CPU time of ``fn()``, the cyclic collector paused (see the module's docstring)."""
+    collecting = gc.isenabled()
+    gc.collect(0)  # the young garbage of the steps before is theirs
+    gc.disable()
+    try:
+        t = time.process_time()
+        fn()
+        return time.process_time() - t
+    finally:
+        if collecting:
+            gc.enable()
 
 
-def host_us_per_layer(layers: int = 32, rounds: int = 30, warmup: int = 5,
-                      methods: dict[str, Callable] | None = None) -> dict[str, dict]:
+def host_us_per_layer(layers: int = 32, rounds: int = 60, warmup: int = 5,
+                      methods: dict[str, Callable] | None = None, seed: int = 0) -> dict[str, dict]:
     """Each method's added host CPU time per layer per step (microseconds), and its spread.
+
+    Args:
+        layers: Tiny checkpointed layers of the model. Default: ``32``.
+        rounds: Rounds of paired steps the medians are taken over. Default: ``60``.
+        warmup: Steps of each method before the rounds. Default: ``5``.
+        methods: ``{name: builder}``, ``"no swap"`` among them. Default: :data:`HOST_METHODS`.
+        seed: Seeds the order of the methods in each round. Default: ``0``.
 
     Returns:
         ``{method: {"us_per_layer": median paired difference / layers, "step_cpu_ms": median
@@ -196,12 +225,12 @@ def host_us_per_layer(layers: int = 32, rounds: int = 30, warmup: int = 5,
             for name, build in methods.items():
                 torch.manual_seed(0)
                 built[name] = build(HostCostModel(layers), x)
-            times = _rounds(built, rounds, warmup)
+            diffs, steps = _rounds(built, rounds, warmup, random.Random(seed))
         finally:
             for method in built.values():
                 method.close()
             swap_pass.reset()
-    return _summarize(times, layers)
+    return _summarize(diffs, steps, layers)
 
 
 def _timed(built: dict[str, _Method], name: str) -> float:
@@ -213,23 +242,35 @@ def _timed(built: dict[str, _Method], name: str) -> float:
         return _cpu_time(built[name].step)
 
 
-def _rounds(built: dict[str, _Method], rounds: int, warmup: int) -> dict[str, list[float]]:
+def _rounds(built: dict[str, _Method], rounds: int, warmup: int,
+            rng: random.Random) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each method's paired differences and its steps' CPU times (see the module's docstring)."""
     for name in built:
         for _ in range(warmup):
             _timed(built, name)
-    times: dict[str, list[float]] = {name: [] for name in built}
+    order = [name for name in built if name != _REFERENCE]
+    diffs: dict[str, list[float]] = {name: [] for name in built}
+    steps: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(rounds):
-        for name in built:
-            times[name].append(_timed(built, name))
-    return times
+        rng.shuffle(order)
+        for name in order:
+            _timed(built, _REFERENCE)  # each timed step follows one of its own method
+            ref = _timed(built, _REFERENCE)
+            _timed(built, name)
+            t = _timed(built, name)
+            diffs[name].append(t - ref)
+            diffs[_REFERENCE].append(0.0)
+            steps[name].append(t)
+            steps[_REFERENCE].append(ref)
+    return diffs, steps
 
 
-def _summarize(times: dict[str, list[float]], layers: int) -> dict[str, dict]:
-    ref = times["no swap"]
+def _summarize(diffs: dict[str, list[float]], steps: dict[str, list[float]],
+               layers: int) -> dict[str, dict]:
     out = {}
-    for name, ts in times.items():
-        diffs = sorted((t - r) / layers * 1e6 for t, r in zip(ts, ref))
-        q1, q3 = statistics.quantiles(diffs, n=4)[0], statistics.quantiles(diffs, n=4)[2]
-        out[name] = {"us_per_layer": statistics.median(diffs), "iqr_us_per_layer": q3 - q1,
-                     "step_cpu_ms": statistics.median(ts) * 1e3}
+    for name, ds in diffs.items():
+        per_layer = [d / layers * 1e6 for d in ds]
+        q1, _, q3 = statistics.quantiles(per_layer, n=4)
+        out[name] = {"us_per_layer": statistics.median(per_layer), "iqr_us_per_layer": q3 - q1,
+                     "step_cpu_ms": statistics.median(steps[name]) * 1e3}
     return out

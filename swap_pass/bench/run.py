@@ -205,12 +205,12 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
     return report
 
 
-def host_cost_rows(layers: int = 16, rounds: int = 20, warmup: int = 3) -> dict:
+def host_cost_rows(layers: int = 16, rounds: int = 60, warmup: int = 3) -> dict:
     """Host CPU time per layer per step of each way in (:mod:`swap_pass.bench.host_cost`).
 
     Args:
         layers: Tiny checkpointed layers of the model. Default: ``16``.
-        rounds: Paired rounds the medians are taken over. Default: ``20``.
+        rounds: Rounds of paired steps the medians are taken over. Default: ``60``.
         warmup: Steps of each method before the rounds. Default: ``3``.
     """
     from swap_pass.bench.host_cost import host_us_per_layer

@@ -9,7 +9,9 @@ memory curve, the anchor.
 
 from __future__ import annotations
 
+import gc
 import json
+import random
 import warnings
 
 import pytest
@@ -227,6 +229,31 @@ def test_host_cost_rows_measure_every_way_in():
     assert rows["no swap"]["us_per_layer"] == 0.0  # the reference of every difference
     assert all(r["step_cpu_ms"] > 0 for r in rows.values())
     assert swap_pass.swap_stats().host_bytes_in_use == 0 and torch.get_num_threads() >= 1
+    assert gc.isenabled()  # paused only inside the timed steps
+
+
+def test_host_rounds_pair_each_step_with_a_no_swap_step_each_after_its_own():
+    from swap_pass.bench.host_cost import _Method, _rounds
+
+    calls, collecting = [], []
+
+    def step(name):
+        def run():
+            calls.append(name)
+            collecting.append(gc.isenabled())
+        return run
+
+    built = {name: _Method(step(name)) for name in ("no swap", "a", "b", "c")}
+    diffs, steps = _rounds(built, rounds=4, warmup=1, rng=random.Random(0))
+    rounds_calls = calls[4:]  # after one warm-up step of each
+    quads = [rounds_calls[i:i + 4] for i in range(0, len(rounds_calls), 4)]
+    assert all(q[0] == q[1] == "no swap" and q[2] == q[3] != "no swap" for q in quads)
+    pairs = [(q[1], q[3]) for q in quads]
+    rounds = [sorted(name for _, name in pairs[i:i + 3]) for i in range(0, 12, 3)]
+    assert rounds == [["a", "b", "c"]] * 4  # every method once per round
+    assert len({tuple(name for _, name in pairs[i:i + 3]) for i in range(0, 12, 3)}) > 1  # shuffled
+    assert not any(collecting)  # the collector is paused in every timed step
+    assert [len(diffs[n]) for n in ("a", "b", "c")] == [4, 4, 4] and len(steps["no swap"]) == 12
 
 
 def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):
