@@ -57,3 +57,27 @@ def test_the_simulated_report_prints_each_event_per_layer_and_its_ratio(capsys):
     assert len(lines) == 2 + len(events)
     for i, line in enumerate(lines[2:]):  # per layer: 4 rounds of (plain, eager, copying)
         assert script._SIMULATED[events[i]] in line and line.endswith("4.00x"), line
+
+
+def _load_gc_script():
+    spec = importlib.util.spec_from_file_location("host_cost_gc", ROOT / "scripts" / "host_cost_gc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gc_script_times_collections_of_the_steps_it_runs_and_only_those():
+    import gc
+
+    script = _load_gc_script()
+    before, callbacks = swap_pass.swap_stats().swap_outs, list(gc.callbacks)
+    threads = torch.get_num_threads()
+    try:
+        found = script._measure("eager", layers=4, steps=30, warmup=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert swap_pass.swap_stats().swap_outs - before == 32 * 3  # every step swapped 3 inputs
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
+    assert gc.callbacks == callbacks  # its timer is gone with the run
+    assert len(found["counts"]) == len(found["ms"]) == 3 and found["counts"][0] > 0
+    assert found["us_per_layer"] == pytest.approx(sum(found["ms"]) * 1e3 / 30 / 4)
