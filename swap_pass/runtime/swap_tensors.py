@@ -41,7 +41,7 @@ import torch
 
 from swap_pass.config import OnHostExhausted, SwapConfig, check_config
 from swap_pass.runtime import live_groups, stats
-from swap_pass.runtime.device import DeviceStreams, profiler_flag, device_streams
+from swap_pass.runtime.device import DeviceStreams, device_streams, profiler_flag
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.freed_guard import give_up, guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
