@@ -14,11 +14,11 @@ of the same method in training: timed right after another method's step, a metho
 spread over more code and objects pays for caches the other left cold, and the figures moved by
 half between runs (``save_on_cpu (copying)`` read 22-43 us per layer in three runs, against
 19-20 us when each step follows its own). A method's figure is the median over rounds of its
-step's process CPU time minus its pair's, divided by ``layers``. The
-cyclic garbage collector is paused during each timed step, as ``timeit`` pauses it, and the
-young generation collected before it: a collection costs whichever step it falls in, often a
-tenth of a tiny step, far more than the difference measured. What a method adds to collection
-over many steps is ``scripts/host_cost_gc.py``'s to measure.
+step's process CPU time minus its pair's, divided by ``layers``. The cyclic garbage collector
+is paused during each timed step, as ``timeit`` pauses it, and the young generation collected
+before it: a collection costs whichever step it falls in (about 50 us for a young one, 120-140
+ms for a full one on this model, against differences of a few hundred us per step). What a
+method adds to collection over many steps is ``scripts/host_cost_gc.py``'s to measure.
 
 Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``tensor.cpu()``,
 which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
