@@ -75,8 +75,8 @@ def _host_lines(host: dict) -> list[str]:
                       if name != "no swap")
     return [f"host us per layer (process CPU time added per layer per step over no swap; "
             f"{host['layers']} tiny checkpointed layers, 1 thread, collector paused, median of "
-            f"{host['rounds']} rounds of adjacent pairs, each step after one of its own; step: median step CPU time over no "
-            f"swap's, which the machine's speed moves less): {cells}"]
+            f"{host['rounds']} rounds of adjacent pairs, each step after one of its own; step: "
+            f"median step CPU time over no swap's, which the machine's speed moves less): {cells}"]
 
 
 def _extra_lines(extra: dict) -> list[str]:

@@ -250,9 +250,8 @@ def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch
 
     Under reentrant checkpointing of segments of several layers, our input is the previous
     segment's output and the unguarded groups are the inputs of that segment's first layer.
-    Called when the manager's tag is in ``_MAYBE_UNGUARDED``.
     """
-    if not _left_region(hidden_states):
+    if manager.module_tag not in _MAYBE_UNGUARDED or not _left_region(hidden_states):
         return
     for prev, group in manager.copying_earlier():
         if not group.guarded:
@@ -325,8 +324,7 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     if _graph_task_id() != -1:  # in_backward(): a recomputation, the input is already back
         return call(*args, **kwargs)
     manager: SwapLayerInputManager = layer.swap_manager
-    if not manager._in_map:  # the first call after swap_pass.reset()
-        manager.ensure_registered()
+    manager.ensure_registered()
     hidden_states = find_hidden_states(args, kwargs, api)
     ref = manager.layer_parameter  # weak: a registered manager must not keep a parameter alive
     known = ref() if ref is not None else None
@@ -334,11 +332,9 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     if param is not known:
         manager.layer_parameter = weakref.ref(param) if param is not None else None
     try:
-        if manager.batch_stack:  # a forward that left groups no later call guarded
-            abandon_own_unguarded(manager)
+        abandon_own_unguarded(manager)
         grad_at_entry = torch.is_grad_enabled()
-        if manager.module_tag in _MAYBE_UNGUARDED:
-            guard_previous_on_input(manager, hidden_states)
+        guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)

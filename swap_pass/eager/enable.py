@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
@@ -31,7 +30,6 @@ from swap_pass.runtime.manager import SwapLayerInputManager
 __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks"]
 
 _API = "enable_swap_layer_input"
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside backward (in_backward())
 _HANDLE_ATTR = "_swap_pass_handle"
 
 
@@ -54,8 +52,6 @@ class _SwappedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer, inner = self.layer, self.inner  # __wrapped__, without a property call per layer
         call = inner if inner is not None else type(layer).forward.__get__(layer)
-        if _graph_task_id() != -1:  # a recomputation in backward: run_layer would only call it
-            return call(*args, **kwargs)
         return _protocol.run_layer(layer, call, args, kwargs, _API)
 
 

@@ -149,7 +149,7 @@ class DeviceStreams:
         wait on. While ``torch.profiler`` records, the copy runs in a range named
         :func:`copy_range_name` (``swap-pass bench`` reads CPU copy bandwidth from it).
         """
-        in_range = _enter_copy_range(dst) if profiler_flag._is_profiler_enabled else None
+        in_range = _enter_copy_range(dst) if _profiler_flag._is_profiler_enabled else None
         try:
             if stream is None:  # CPU: synchronous, no stream to make current
                 dst.copy_(src)
@@ -177,10 +177,9 @@ class _CppProfilerState:
 # torch.autograd.profiler keeps a Python flag beside its C++ state "for fast python checks"
 # (set by torch.profiler.profile and torch.autograd.profiler.profile): a module attribute read,
 # where torch._C._autograd._profiler_enabled() is a pybind call, about 0.7 us per copy inside a
-# step of scripts/host_cost_phases.py's model (py-spy). Its ``_is_profiler_enabled`` says whether
-# a profiler records (swap_tensors.py reads it too, before a synchronous copy).
-profiler_flag = (torch.autograd.profiler if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
-                 else _CppProfilerState())
+# step of scripts/host_cost_phases.py's model (py-spy).
+_profiler_flag = (torch.autograd.profiler if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
+                  else _CppProfilerState())
 COPY_RANGE = "swap_pass::copy"
 
 

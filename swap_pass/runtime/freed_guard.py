@@ -181,9 +181,10 @@ def unguard(tensors: Iterable[torch.Tensor]) -> None:
             _guards.pop(id(t), None)
 
 
-def give_up(tensors: Iterable[torch.Tensor], where: str) -> None:
-    """The group that freed ``tensors`` lets go of them, their data not restored: they stay
-    guarded for good, the error naming ``where``, and the entry leaves with the tensor."""
+def give_up(tensors: Iterable[torch.Tensor], group: Restorable) -> None:
+    """``group``, which freed ``tensors``, lets go of them, their data not restored: they stay
+    guarded for good, the error naming the group, and the entry leaves with the tensor."""
+    where = group.name or _UNNAMED
     for t in tensors:
         if type(t) is _SwappedOut:
             key = id(t)

@@ -302,7 +302,7 @@ class SwapLayerInputManager:
         """Start the host-to-device copy of ``group`` (default: the oldest group on the host)."""
         if group is None:
             group = next((g for g in self.batch_stack if g.stat == HOST), None)
-        if group is not None and group.stat is HOST:
+        if group is not None and group.stat == HOST:
             group.swap_to_device()
         return group
 
@@ -318,11 +318,8 @@ class SwapLayerInputManager:
             group = self.batch_stack[0]
         if group.stat is not DEVICE:
             group.restore()
-        stack = self.batch_stack
-        if stack and stack[0] is group:  # the oldest: backward runs micro-batches in order
-            del stack[0]
-        elif group in stack:  # groups compare by identity
-            stack.remove(group)
+        if group in self.batch_stack:  # groups compare by identity
+            self.batch_stack.remove(group)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------

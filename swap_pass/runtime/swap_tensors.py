@@ -41,7 +41,7 @@ import torch
 
 from swap_pass.config import OnHostExhausted, SwapConfig, check_config
 from swap_pass.runtime import live_groups, stats
-from swap_pass.runtime.device import DeviceStreams, device_streams, profiler_flag
+from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.freed_guard import give_up, guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
@@ -371,9 +371,8 @@ class SwapTensors:
                     raise _modified_error(self.name, t, v, "between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            if self._event is not None:  # None: the copy was synchronous (CPU), done already
-                _wait_on_compute(ds, self._event)
-                self._event = None
+            _wait_on_compute(ds, self._event)
+            self._event = None
             for e in entries:
                 if e.dense:  # see Note: [Dense copies]
                     e.alias = e.tensors[0].data
@@ -403,12 +402,11 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
-            if self._event is not None:  # None: the copy was synchronous (CPU), done already
-                _wait_on_compute(self._ds or self._streams(), self._event)
-                self._event = None
+            _wait_on_compute(self._ds or self._streams(), self._event)
+            self._event = None
             unguard(self._entry_tensors)
             self._release_host_buffers()
-        live_groups.release_all(self, self._keys)  # see Note: [One storage, one live group]
+        self._leave_registry()  # see Note: [One storage, one live group]
         self.kept_on_device = False
         self.stat = DEVICE
 
@@ -438,7 +436,7 @@ class SwapTensors:
                 unguard(self._entry_tensors)
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
-                give_up(self._entry_tensors, self.name or "a swap group")  # they stay freed
+                give_up(self._entry_tensors, self)  # they stay freed
             self._release_host_buffers()
         self._leave_registry()
         self._entries = []
@@ -459,7 +457,7 @@ class SwapTensors:
             if self._event is not None:
                 self._event.synchronize()  # an in-flight copy must finish before buffer reuse
             if self.stat in (HOST, H2D) and not self.kept_on_device:  # nobody restores them now
-                give_up(self._entry_tensors, self.name or "a swap group")
+                give_up(self._entry_tensors, self)
             freed = self.stat == HOST and not self.kept_on_device
             host_pool().release_deferred(
                 bufs, **({"device_bytes_released": -self.nbytes} if freed else {}))
@@ -564,12 +562,10 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
 
     A dense entry copies tensor to tensor (see Note: [Dense copies]), any other whole storage
     storage to storage, a span through a byte view of the storage. ``stream`` is None only where
-    copies are synchronous (CPU): nothing to order, no event, and the copy runs right here unless
-    the profiler records (:meth:`DeviceStreams.copy` names its range).
+    copies are synchronous (CPU): nothing to order, no event.
     """
     if stream is not None:
         ds.wait(stream, ds.record_event(ds.compute_stream()))
-    copy = ds.copy if stream is not None or profiler_flag._is_profiler_enabled else None
     for e in entries:
         if to_host and e.host_event is not None:
             ds.wait(stream, e.host_event)
@@ -582,17 +578,17 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
         else:
             lo, hi = e.span
             device = _bytes_view(e.storage, lo, hi - lo)
-        dst, src = (host, device) if to_host else (device, host)
-        if copy is None:
-            dst.copy_(src)
+        if to_host:
+            ds.copy(stream, host, device)
         else:
-            copy(stream, dst, src)
+            ds.copy(stream, device, host)
     return None if stream is None else ds.record_event(stream)
 
 
 def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
     """Make the compute stream wait for ``event`` (None: a synchronous copy, already done)."""
-    ds.wait(ds.compute_stream(), event)
+    if event is not None:
+        ds.wait(ds.compute_stream(), event)
 
 
 def discard_groups_off_device(*, restore: bool = False) -> int:
