@@ -24,8 +24,10 @@ Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``t
 which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
 of two hook calls. ``torch save_on_cpu (copying)`` is ``save_on_cpu(pin_memory=True)``: its pack
 hook allocates a host tensor and copies the saved tensor into it, as it does on an accelerator
-(pinning falls back to pageable memory without one), so it is the row that does a copy out per
-layer like a swap does; its unpack hook is ``.to("cpu")``, which copies nothing back on CPU.
+(pinning falls back to pageable memory without one); its unpack hook is ``.to("cpu")``, which
+copies nothing back on CPU. ``torch save_on_cpu (copying both ways)`` (:class:`SaveOnCpuBothWays`)
+also copies back, as the same hook does on an accelerator: it makes the allocations and copies
+that a swap makes, so it is the row to read the swap rows against on CPU.
 ``bare copy + free (reference)`` is the least any layer-input swap does in
 Python (a copy out, a free, a gradient hook that copies back), with none of the safety; it is the
 floor under the eager row.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import random
 import statistics
@@ -47,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swap_pass.bench.measure import intra_op_threads
 
-__all__ = ["HOST_METHODS", "HostCostModel", "host_us_per_layer", "minimal_swap"]
+__all__ = ["HOST_METHODS", "HostCostModel", "SaveOnCpuBothWays", "host_us_per_layer", "minimal_swap"]
 
 
 class _TinyLayer(nn.Module):
@@ -97,10 +100,33 @@ def _plain(model: nn.Module, x: torch.Tensor) -> _Method:
     return _Method(lambda: model(x).backward())
 
 
-def _save_on_cpu(pin_memory: bool) -> Callable[[nn.Module, torch.Tensor], _Method]:
+def _unpack_copying(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    """``save_on_cpu``'s unpack hook with ``copy=True``: a fresh tensor even on the same device."""
+    device, tensor = packed
+    return tensor.to(device, non_blocking=True, copy=True)
+
+
+class SaveOnCpuBothWays(torch.autograd.graph.save_on_cpu):
+    """``save_on_cpu(pin_memory=True)`` that copies back on CPU too, as it does on an accelerator.
+
+    On an accelerator ``save_on_cpu``'s unpack hook, ``tensor.to(device, non_blocking=True)``,
+    allocates device memory and copies the saved tensor into it: with the pack hook's copy out,
+    two allocations and two copies per saved tensor, as a swap makes. On CPU the same call returns
+    the host tensor itself, so only the copy out happens. Here the unpack hook passes
+    ``copy=True``, its one difference from torch's: a CPU run then makes the calls an accelerator
+    run makes (pageable memory instead of pinned).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(pin_memory=True)
+        self.unpack_hook = _unpack_copying
+
+
+def _save_on_cpu(hooks: Callable[[], torch.autograd.graph.saved_tensors_hooks]
+                 ) -> Callable[[nn.Module, torch.Tensor], _Method]:
     def build(model: nn.Module, x: torch.Tensor) -> _Method:
         def step() -> None:
-            with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+            with hooks():
                 loss = model(x)
             loss.backward()
 
@@ -174,8 +200,10 @@ def minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
 
 HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
     "no swap": _plain,
-    "torch save_on_cpu": _save_on_cpu(pin_memory=False),
-    "torch save_on_cpu (copying)": _save_on_cpu(pin_memory=True),
+    "torch save_on_cpu": _save_on_cpu(torch.autograd.graph.save_on_cpu),
+    "torch save_on_cpu (copying)": _save_on_cpu(
+        functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True)),
+    "torch save_on_cpu (copying both ways)": _save_on_cpu(SaveOnCpuBothWays),
     "recompute + swap (eager)": _eager,
     "SmartSwap": _smartswap,
     "bare copy + free (reference)": minimal_swap,

@@ -76,7 +76,25 @@ def _host_lines(host: dict) -> list[str]:
     return [f"host us per layer (process CPU time added per layer per step over no swap; "
             f"{host['layers']} tiny checkpointed layers, 1 thread, collector paused, median of "
             f"{host['rounds']} rounds of adjacent pairs, each step after one of its own; step: "
-            f"median step CPU time over no swap's, which the machine's speed moves less): {cells}"]
+            f"median step CPU time over no swap's, which the machine's speed moves less): {cells}",
+            *_host_ratio_lines(host["rows"])]
+
+
+# The host row's ratios: each swap row over each copying save_on_cpu row (docs/usage.md says
+# which to read against which).
+_SWAP_HOST_ROWS = ("recompute + swap (eager)", "SmartSwap")
+_COPYING_HOST_ROWS = ("torch save_on_cpu (copying both ways)", "torch save_on_cpu (copying)")
+
+
+def _host_ratio_lines(rows: dict[str, dict]) -> list[str]:
+    lines = []
+    for base in _COPYING_HOST_ROWS:
+        denominator = rows.get(base, {}).get("us_per_layer", 0.0)
+        cells = [f"{name} {rows[name]['us_per_layer'] / denominator:.2f}x"
+                 for name in _SWAP_HOST_ROWS if name in rows and denominator > 0]
+        if cells:
+            lines.append(f"host us per layer over {base}: {', '.join(cells)}")
+    return lines
 
 
 def _extra_lines(extra: dict) -> list[str]:

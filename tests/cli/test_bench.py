@@ -256,6 +256,46 @@ def test_host_rounds_pair_each_step_with_a_no_swap_step_each_after_its_own():
     assert [len(diffs[n]) for n in ("a", "b", "c")] == [4, 4, 4] and len(steps["no swap"]) == 12
 
 
+def test_save_on_cpu_both_ways_copies_out_and_back_and_matches_no_hooks():
+    from swap_pass.bench.host_cost import SaveOnCpuBothWays
+
+    x = torch.randn(4, 8, requires_grad=True)
+    x_before = x.detach().clone()
+    unpacked = []
+    hooks = SaveOnCpuBothWays()
+    unpack = hooks.unpack_hook
+    hooks.unpack_hook = lambda packed: unpacked.append((packed[1], unpack(packed))) or unpacked[-1][1]
+    with hooks:
+        y = torch.tanh(x)  # tanh saves its result: packed to the host, unpacked in backward
+    y.sum().backward()
+    x_ref = x_before.clone().requires_grad_()
+    torch.tanh(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(x.detach(), x_before)
+    assert unpacked, "the unpack hook never ran"
+    for packed, restored in unpacked:  # a copy back, as on an accelerator: not the host tensor
+        assert restored.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
+        assert torch.equal(restored, packed)
+    assert packed.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()  # a copy out
+
+
+def test_host_ratio_lines_read_swap_rows_over_each_copying_row():
+    from swap_pass.bench.report import _host_lines
+
+    def row(us):
+        return {"us_per_layer": us, "iqr_us_per_layer": 1.0, "step_cpu_ms": 2.0}
+
+    rows = {"no swap": row(0.0), "torch save_on_cpu (copying)": row(10.0),
+            "torch save_on_cpu (copying both ways)": row(20.0),
+            "recompute + swap (eager)": row(60.0), "SmartSwap": row(70.0)}
+    lines = _host_lines({"status": "ok", "layers": 16, "rounds": 60, "rows": rows})
+    assert lines[1:] == [
+        "host us per layer over torch save_on_cpu (copying both ways): "
+        "recompute + swap (eager) 3.00x, SmartSwap 3.50x",
+        "host us per layer over torch save_on_cpu (copying): "
+        "recompute + swap (eager) 6.00x, SmartSwap 7.00x",
+    ]
+
+
 def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):
     from swap_pass.bench.measure import profile_step
 
