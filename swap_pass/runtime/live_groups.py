@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["claim", "clear", "owner", "release_all", "storage_key"]
+__all__ = ["claim", "clear", "groups", "owner", "release_all", "storage_key"]
 
 
 class _Group(Protocol):
@@ -74,6 +74,18 @@ def release_all(group: _Group, keys: Iterable[int]) -> None:
                     del _owners[key]
     finally:
         _release()
+
+
+def groups() -> list[_Group]:
+    """The live groups, each once, in no particular order."""
+    with _lock:
+        refs = list(_owners.values())
+    found: dict[int, _Group] = {}
+    for ref in refs:
+        group = ref()
+        if group is not None:
+            found[id(group)] = group
+    return list(found.values())
 
 
 def clear() -> None:

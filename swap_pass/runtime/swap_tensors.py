@@ -34,7 +34,6 @@ import dataclasses
 import enum
 import operator
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -52,10 +51,6 @@ __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_fo
 _DEFAULT_CONFIG = SwapConfig()
 _POOL = host_pool()  # process-wide, never replaced: read once instead of a call per transition
 _warned_keep_on_device = False
-# Groups holding host buffers, so that reset() reaches those no manager tracks; see
-# discard_groups_off_device(). By id, with the group's plain weak reference (the one the freed
-# tensors' guard holds too): cheaper per swap than a WeakSet, which makes a reference per call.
-_holding_host_buffers: dict[int, weakref.ref[SwapTensors]] = {}
 
 
 class SwapState(str, enum.Enum):
@@ -449,11 +444,12 @@ class SwapTensors:
         # A group dropped mid-flight (exception, no backward) must not keep its host buffers.
         # No locks here: see Note: [Releasing from __del__] in host_pool.py.
         try:
-            if _holding_host_buffers.pop(id(self), None) is None:
+            for e in self._entries:
+                if e.host is not None:
+                    break
+            else:
                 return  # the common case: every buffer went back to the pool
             bufs = [e.host for e in self._entries if e.host is not None]
-            if not bufs:
-                return
             if self._event is not None:
                 self._event.synchronize()  # an in-flight copy must finish before buffer reuse
             if self.stat in (HOST, H2D) and not self.kept_on_device:  # nobody restores them now
@@ -497,7 +493,6 @@ class SwapTensors:
         """Give every entry a host buffer (after :meth:`_streams`); False when host memory ran
         out and policy keeps the data on the device."""
         pin, cap = self._pinned, self.config.max_host_bytes
-        _holding_host_buffers[id(self)] = weakref.ref(self)
         try:
             for e in self._entries:  # dense: a host buffer shaped like the tensor
                 e.host, e.host_event = _POOL.take(e.host_nbytes, pin, cap,
@@ -518,7 +513,6 @@ class SwapTensors:
                 _POOL.release(e.host, event, pinned)
                 e.host = None
             e.alias = None
-        _holding_host_buffers.pop(id(self), None)
 
     def _leave_registry(self) -> None:
         live_groups.release_all(self, self._keys)
@@ -600,14 +594,13 @@ def discard_groups_off_device(*, restore: bool = False) -> int:
     reference cycle (an exception's traceback, say) until the cyclic collector runs, or created
     directly by a user. Its buffers stay in use until then, so :func:`swap_pass.reset` calls
     this to make "reset" mean no host bytes in use, whenever the collector runs.
+
+    A group holds host buffers only between its claim of its storages and its release of them
+    (see Note: [One storage, one live group]): taken after the claim in :meth:`swap_to_host`,
+    given back before the release (:meth:`wait_h2d`, :meth:`discard`, a copy out abandoned), or
+    with the storage a newer group took over. So the live groups are the ones to look at.
     """
-    groups = []
-    for key, ref in list(_holding_host_buffers.items()):
-        group = ref()
-        if group is None:  # died without its finalizer running (interpreter exit)
-            _holding_host_buffers.pop(key, None)
-        else:
-            groups.append(group)
+    groups = [g for g in live_groups.groups() if any(e.host is not None for e in g._entries)]
     for group in groups:
         group.restore() if restore else group.discard()
     return len(groups)
