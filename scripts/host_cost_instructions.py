@@ -5,13 +5,16 @@ Host CPU time on a shared machine moves by several microseconds per layer betwee
 build, more than most changes to the per-layer path are worth. The instructions a step executes
 do not. This runs ``HostCostModel`` (tiny checkpointed layers, one intra-op thread) under
 valgrind's callgrind and counts the instructions of ``--steps`` steps of each method: plain,
-with ``enable_swap_layer_input``, and under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-(the copying comparator of ``scripts/host_cost_phases.py``). Each method's steps run inside a C
-iterator of its own (``itertools.starmap``, ``filterfalse``, ``dropwhile``), and callgrind
-collects only inside those, so one run counts all three, torch's import and the warm-up steps
+with ``enable_swap_layer_input``, under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+(its pack hook copies out; on CPU its unpack hook copies nothing back), and under the same hooks
+copying back too (``SaveOnCpuBothWays`` of ``swap_pass.bench.host_cost``, what ``save_on_cpu``
+does on an accelerator; the comparator of ``scripts/host_cost_phases.py``). Each method's steps
+run inside a C iterator of its own (``itertools.starmap``, ``filterfalse``, ``dropwhile``,
+``takewhile``), and callgrind collects only inside those, so one run counts all four, torch's
+import and the warm-up steps
 left out. The counted process runs with ``PYTHONHASHSEED=0``: with hashes seeded at random, dict
 and set layouts differ between runs, and so does the count, by a few hundred per layer. It prints
-each method's instructions per layer over plain, and their ratio.
+each method's instructions per layer over plain, and the eager one's ratio over each copying one.
 
 Instructions are not time: they leave out cache misses, which cost the eager path more than
 ``save_on_cpu`` (its work is spread over more Python objects). Read the ratio beside the CPU
@@ -43,8 +46,9 @@ import tempfile
 from pathlib import Path
 
 # The C function that runs each method's steps: callgrind collects inside these only.
-_DRIVERS = {"plain": "starmap_next", "eager": "filterfalse_next",
-            "save_on_cpu (copying)": "dropwhile_next"}
+_COPYING, _BOTH_WAYS = "save_on_cpu (copying)", "save_on_cpu (copying both ways)"
+_DRIVERS = {"plain": "starmap_next", "eager": "filterfalse_next", _COPYING: "dropwhile_next",
+            _BOTH_WAYS: "takewhile_next"}
 _CHILD = "SWAP_PASS_COUNTING_CHILD"
 
 
@@ -53,7 +57,7 @@ def _steps(layers: int, steps: int) -> None:
     import torch
 
     import swap_pass
-    from swap_pass.bench.host_cost import HostCostModel
+    from swap_pass.bench.host_cost import HostCostModel, SaveOnCpuBothWays
 
     torch.set_num_threads(1)
     x = torch.randn(1, 4, 8, requires_grad=True)
@@ -72,16 +76,23 @@ def _steps(layers: int, steps: int) -> None:
 
     def copying(*_: object) -> bool:
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            loss = models["save_on_cpu (copying)"](x)
+            loss = models[_COPYING](x)
         loss.backward()
         return True  # dropwhile keeps calling while this is true
 
+    def both_ways(*_: object) -> bool:
+        with SaveOnCpuBothWays():
+            loss = models[_BOTH_WAYS](x)
+        loss.backward()
+        return True  # takewhile keeps calling while this is true
+
     for _ in range(5):
-        plain(), eager(), copying()
+        plain(), eager(), copying(), both_ways()
     for _ in range(2):  # alternating, so that no method runs only first
         collections.deque(itertools.starmap(plain, [()] * steps), maxlen=0)
         collections.deque(itertools.filterfalse(eager, range(steps)), maxlen=0)
         collections.deque(itertools.dropwhile(copying, range(steps)), maxlen=0)
+        collections.deque(itertools.takewhile(both_ways, range(steps)), maxlen=0)
     handle.remove()
 
 
@@ -161,7 +172,7 @@ def main() -> None:
 
 def _report(found: dict[str, list[int]], events: list[str], layers: int, steps: int,
             caches: str) -> None:
-    """Print what eager and ``save_on_cpu (copying)`` add per layer over plain, per event."""
+    """Print what each method adds per layer over plain, per event, and eager's ratios."""
     import torch
 
     rounds = 2 * steps * layers
@@ -172,16 +183,17 @@ def _report(found: dict[str, list[int]], events: list[str], layers: int, steps: 
           f"torch {torch.__version__}, callgrind): plain {per_layer['plain'][0]:,.0f}")
     if len(events) == 1:
         for name, extra in added.items():
-            print(f"  {name:22s} adds {extra[0]:9,.0f}")
-        print(f"  eager / save_on_cpu (copying): "
-              f"{added['eager'][0] / added['save_on_cpu (copying)'][0]:.2f}x")
+            print(f"  {name:31s} adds {extra[0]:9,.0f}")
+        for name in (_BOTH_WAYS, _COPYING):
+            print(f"  eager / {name}: {added['eager'][0] / added[name][0]:.2f}x")
         return
-    print(f"added per layer, simulated ({caches or 'valgrind default caches'}):")
+    print(f"added per layer, simulated ({caches or 'valgrind default caches'}); eager's ratio "
+          f"over {_BOTH_WAYS}, then over {_COPYING}:")
     for i, event in enumerate(events):
-        eager, copying = added["eager"][i], added["save_on_cpu (copying)"][i]
-        ratio = f"{eager / copying:.2f}x" if copying > 0 else "-"
-        print(f"  {_SIMULATED[event]:34s} eager {eager:9,.0f}  save_on_cpu (copying) "
-              f"{copying:8,.0f}  {ratio}")
+        eager, both, copying = (added[name][i] for name in ("eager", _BOTH_WAYS, _COPYING))
+        ratios = "  ".join(f"{eager / n:.2f}x" if n > 0 else "-" for n in (both, copying))
+        print(f"  {_SIMULATED[event]:34s} eager {eager:9,.0f}  both ways {both:8,.0f}  "
+              f"copying {copying:8,.0f}  {ratios}")
 
 
 if __name__ == "__main__":

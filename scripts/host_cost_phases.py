@@ -3,7 +3,9 @@
 The model is ``HostCostModel`` (tiny checkpointed layers, compute negligible), built once per
 method from one seed: plain, with ``enable_swap_layer_input``, under
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (its pack hook copies each saved tensor to
-a fresh host tensor, so it does a copy out per layer like a swap), and with the bare
+a fresh host tensor, so it does a copy out per layer like a swap), under the same hooks copying
+back as well (``SaveOnCpuBothWays`` of ``swap_pass.bench.host_cost``: what ``save_on_cpu`` does
+on an accelerator, the row the ratios are read against), and with the bare
 copy-and-free reference of ``swap-pass bench`` (no safety; the floor under the eager row). Steps
 of the methods alternate, one intra-op thread; each phase's figure is the least process CPU time
 over the timed steps, minus the plain model's least, divided by the layer count. The last column
@@ -28,10 +30,11 @@ from collections.abc import Callable
 import torch
 
 import swap_pass
-from swap_pass.bench.host_cost import HostCostModel, minimal_swap
+from swap_pass.bench.host_cost import HostCostModel, SaveOnCpuBothWays, minimal_swap
 from swap_pass.bench.measure import intra_op_threads
 
 _COPYING = "save_on_cpu (copying)"
+_BOTH_WAYS = "save_on_cpu (copying both ways)"
 
 
 def _phases(model: torch.nn.Module, x: torch.Tensor,
@@ -47,7 +50,7 @@ def _phases(model: torch.nn.Module, x: torch.Tensor,
 def _build(layers: int, x: torch.Tensor) -> tuple[dict, list[Callable[[], None]]]:
     """``{name: (model, context around its forward)}`` and what undoes the patches."""
     models = {}
-    for name in ("plain", "eager", _COPYING, "bare"):
+    for name in ("plain", "eager", _COPYING, _BOTH_WAYS, "bare"):
         torch.manual_seed(0)
         models[name] = HostCostModel(layers)
     closers = [swap_pass.enable_swap_layer_input(models["eager"]).remove,
@@ -55,6 +58,7 @@ def _build(layers: int, x: torch.Tensor) -> tuple[dict, list[Callable[[], None]]
     methods = {name: (model, contextlib.nullcontext) for name, model in models.items()}
     methods[_COPYING] = (models[_COPYING],
                          lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    methods[_BOTH_WAYS] = (models[_BOTH_WAYS], SaveOnCpuBothWays)
     return methods, closers
 
 
@@ -85,14 +89,14 @@ def main() -> None:
     paired = {name: statistics.median((sum(t) - sum(p)) * us
                                       for t, p in zip(steps[name], steps["plain"]))
               for name in added}
-    copying = sum(added[_COPYING])
+    both_ways = sum(added[_BOTH_WAYS])
     print(f"host CPU time added per layer over plain (least of {args.steps} steps, "
           f"{args.layers} layers, torch {torch.__version__}; last column: median of the "
-          "steps' paired differences):")
+          "steps' paired differences; ratios over save_on_cpu copying both ways):")
     for name, (fwd, bwd) in added.items():
-        print(f"  {name:<22} forward {fwd:6.1f} us, backward {bwd:6.1f} us, "
-              f"total {fwd + bwd:6.1f} us ({(fwd + bwd) / copying:4.1f}x {_COPYING}); "
-              f"paired {paired[name]:6.1f} us ({paired[name] / paired[_COPYING]:4.1f}x)")
+        print(f"  {name:<31} forward {fwd:6.1f} us, backward {bwd:6.1f} us, "
+              f"total {fwd + bwd:6.1f} us ({(fwd + bwd) / both_ways:4.1f}x); "
+              f"paired {paired[name]:6.1f} us ({paired[name] / paired[_BOTH_WAYS]:4.1f}x)")
 
 
 if __name__ == "__main__":

@@ -50,13 +50,24 @@ def test_the_simulated_report_prints_each_event_per_layer_and_its_ratio(capsys):
     plain = [1000 * (i + 1) for i in range(len(events))]
     found = {"starmap_next": plain,
              "filterfalse_next": [n + 40 * (i + 1) for i, n in enumerate(plain)],
-             "dropwhile_next": [n + 10 * (i + 1) for i, n in enumerate(plain)]}
+             "dropwhile_next": [n + 10 * (i + 1) for i, n in enumerate(plain)],
+             "takewhile_next": [n + 20 * (i + 1) for i, n in enumerate(plain)]}
     script._report(found, events, layers=2, steps=1, caches="--I1=32768,8,64")
     lines = capsys.readouterr().out.splitlines()
     assert "--I1=32768,8,64" in lines[1]
     assert len(lines) == 2 + len(events)
-    for i, line in enumerate(lines[2:]):  # per layer: 4 rounds of (plain, eager, copying)
-        assert script._SIMULATED[events[i]] in line and line.endswith("4.00x"), line
+    for i, line in enumerate(lines[2:]):  # per layer: eager over both ways, then over copying
+        assert script._SIMULATED[events[i]] in line and line.endswith("2.00x  4.00x"), line
+
+
+def test_the_instruction_report_gives_eager_over_each_copying_row(capsys):
+    script = _load()
+    found = {"starmap_next": [1000], "filterfalse_next": [1060], "dropwhile_next": [1010],
+             "takewhile_next": [1020]}
+    script._report(found, ["Ir"], layers=1, steps=1, caches="")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["  eager / save_on_cpu (copying both ways): 3.00x",
+                          "  eager / save_on_cpu (copying): 6.00x"]
 
 
 def _load_gc_script():
