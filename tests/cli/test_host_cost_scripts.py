@@ -92,3 +92,28 @@ def test_the_gc_script_times_collections_of_the_steps_it_runs_and_only_those():
     assert gc.callbacks == callbacks  # its timer is gone with the run
     assert len(found["counts"]) == len(found["ms"]) == 3 and found["counts"][0] > 0
     assert found["us_per_layer"] == pytest.approx(sum(found["ms"]) * 1e3 / 30 / 4)
+
+
+def test_the_stage_script_times_every_stage_of_every_swapped_layer():
+    spec = importlib.util.spec_from_file_location("host_cost_stages",
+                                                  ROOT / "scripts" / "host_cost_stages.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    before, threads = swap_pass.swap_stats(), torch.get_num_threads()
+    try:
+        medians, added = script.measure(layers=4, steps=3, warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+    after = swap_pass.swap_stats()
+    # 4 steps of the group wrapper (2 of 4 layer inputs: not the first, the caller's, nor the
+    # last) and of the eager model (all but the last: the input needs grad, so it may leave):
+    # the groups really moved data, out and back.
+    assert after.swap_outs - before.swap_outs == after.swap_ins - before.swap_ins == 4 * (2 + 3)
+    assert after.host_bytes_in_use == 0
+    assert set(medians) == {f"{way}: {stage}" for way, stage in [
+        ("bare", "allocate"), ("bare", "copy out"), ("bare", "free"),
+        ("bare", "re-allocate, copy back"), ("bare", "register the hook"),
+        ("group", "SwapTensors()"), ("group", "swap_to_host"), ("group", "wait_d2h"),
+        ("group", "swap_to_device"), ("group", "wait_h2d"), ("group", "register the hook")]}
+    assert all(us > 0 for us in medians.values())
+    assert list(added) == ["bare", "group", "eager"]
