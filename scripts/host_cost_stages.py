@@ -59,52 +59,52 @@ class _Timed:
         restore = self.swap(hidden_states, self.stages)
         t = _clock()
         out.register_hook(restore)
-        self.stages[self.hook_stage].append(_clock() - t)
+        _lap(self.stages, self.hook_stage, t)
         return out
 
 
+def _lap(stages: Stages, stage: str, since: int) -> int:
+    """Record the time since ``since`` under ``stage``; return now, the next lap's start."""
+    now = _clock()
+    stages[stage].append(now - since)
+    return now
+
+
 def _bare(x: torch.Tensor, stages: Stages) -> Callable[[torch.Tensor], None]:
-    t0 = _clock()
+    t = _clock()
     storage = x.untyped_storage()
     nbytes = storage.nbytes()
     host = torch.empty(nbytes, dtype=torch.uint8)
-    t1 = _clock()
+    t = _lap(stages, "bare: allocate", t)
     host.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-    t2 = _clock()
+    t = _lap(stages, "bare: copy out", t)
     storage.resize_(0)
-    t3 = _clock()
-    stages["bare: allocate"].append(t1 - t0)
-    stages["bare: copy out"].append(t2 - t1)
-    stages["bare: free"].append(t3 - t2)
+    _lap(stages, "bare: free", t)
 
     def restore(grad: torch.Tensor) -> None:
-        t4 = _clock()
+        t = _clock()
         storage.resize_(nbytes)
         torch.empty(0, dtype=torch.uint8).set_(storage).copy_(host)
-        stages["bare: re-allocate, copy back"].append(_clock() - t4)
+        _lap(stages, "bare: re-allocate, copy back", t)
 
     return restore
 
 
 def _group(x: torch.Tensor, stages: Stages) -> Callable[[torch.Tensor], None]:
-    t0 = _clock()
+    t = _clock()
     group = SwapTensors([x])
-    t1 = _clock()
+    t = _lap(stages, "group: SwapTensors()", t)
     group.swap_to_host()
-    t2 = _clock()
+    t = _lap(stages, "group: swap_to_host", t)
     group.wait_d2h()
-    t3 = _clock()
-    stages["group: SwapTensors()"].append(t1 - t0)
-    stages["group: swap_to_host"].append(t2 - t1)
-    stages["group: wait_d2h"].append(t3 - t2)
+    _lap(stages, "group: wait_d2h", t)
 
     def restore(grad: torch.Tensor) -> None:
-        t4 = _clock()
+        t = _clock()
         group.swap_to_device()
-        t5 = _clock()
+        t = _lap(stages, "group: swap_to_device", t)
         group.wait_h2d()
-        stages["group: swap_to_device"].append(t5 - t4)
-        stages["group: wait_h2d"].append(_clock() - t5)
+        _lap(stages, "group: wait_h2d", t)
 
     return restore
 
