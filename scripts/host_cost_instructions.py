@@ -11,10 +11,10 @@ copying back too (``SaveOnCpuBothWays`` of ``swap_pass.bench.host_cost``, what `
 does on an accelerator; the comparator of ``scripts/host_cost_phases.py``). Each method's steps
 run inside a C iterator of its own (``itertools.starmap``, ``filterfalse``, ``dropwhile``,
 ``takewhile``), and callgrind collects only inside those, so one run counts all four, torch's
-import and the warm-up steps
-left out. The counted process runs with ``PYTHONHASHSEED=0``: with hashes seeded at random, dict
-and set layouts differ between runs, and so does the count, by a few hundred per layer. It prints
-each method's instructions per layer over plain, and the eager one's ratio over each copying one.
+import and the warm-up steps left out. The counted process runs with ``PYTHONHASHSEED=0``: with
+hashes seeded at random, dict and set layouts differ between runs, and so does the count, by a
+few hundred per layer. It prints each method's instructions per layer over plain, and the eager
+one's ratio over each copying one.
 
 Instructions are not time: they leave out cache misses, which cost the eager path more than
 ``save_on_cpu`` (its work is spread over more Python objects). Read the ratio beside the CPU

@@ -15,8 +15,8 @@ inner layer's input right after the layer ran and restore it in a gradient hook 
 
 It prints each stage's median over the steps, then the host CPU time that each wrapper and
 ``enable_swap_layer_input`` (the group plus the eager protocol: ownership check, backward guard,
-previous-layer bookkeeping, prefetch) add per layer over the plain model: the least over the
-steps, forward plus backward, as ``host_cost_phases.py`` reads it.
+previous-layer bookkeeping, prefetch) add per layer over the plain model: the least step CPU
+time over the steps, the collector paused in each as ``swap-pass bench`` pauses it.
 
 Usage: PYTHONPATH=<checkout> python scripts/host_cost_stages.py [--layers 32 --steps 200]
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass.bench.host_cost import HostCostModel
+from swap_pass.bench.host_cost import HostCostModel, _cpu_time
 from swap_pass.bench.measure import intra_op_threads
 
 _clock = time.perf_counter_ns
@@ -116,22 +115,10 @@ def _models(layers: int, stages: Stages) -> tuple[dict[str, torch.nn.Module], Ca
         torch.manual_seed(0)
         models[name] = HostCostModel(layers)
     for name, swap in (("bare", _bare), ("group", _group)):
-        for layer in list(models[name].layers)[1:-1]:  # as the eager protocol: not first, last
+        for layer in list(models[name].layers)[1:-1]:  # not the first (its input is the
+            # caller's) nor the last, as the bench's bare reference
             object.__setattr__(layer, "forward", _Timed(layer, stages, name, swap))
     return models, swap_pass.enable_swap_layer_input(models["eager"]).remove
-
-
-def _phases(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, float]:
-    gc.collect(0)
-    gc.disable()
-    try:
-        start = time.process_time()
-        loss = model(x)
-        mid = time.process_time()
-        loss.backward()
-        return mid - start, time.process_time() - mid
-    finally:
-        gc.enable()
 
 
 def measure(layers: int = 32, steps: int = 200, warmup: int = 10) -> tuple[dict[str, float], dict[str, float]]:
@@ -145,21 +132,21 @@ def measure(layers: int = 32, steps: int = 200, warmup: int = 10) -> tuple[dict[
     x = torch.randn(1, 4, 8, requires_grad=True)
     stages: Stages = collections.defaultdict(list)
     models, remove = _models(layers, stages)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
+    times: dict[str, list[float]] = {name: [] for name in models}
     try:
         with intra_op_threads(1):
             for step in range(warmup + steps):
                 if step == warmup:
                     stages.clear()
                 for name, model in models.items():
-                    phases = _phases(model, x)
+                    spent = _cpu_time(lambda: model(x).backward())
                     if step >= warmup:
-                        times[name].append(phases)
+                        times[name].append(spent)
     finally:
         remove()
     medians = {name: statistics.median(ns) / 1e3 for name, ns in stages.items()}
-    least = {name: sum(min(t[i] for t in ts) for i in (0, 1)) for name, ts in times.items()}
-    added = {name: (least[name] - least["plain"]) * 1e6 / layers for name in models if name != "plain"}
+    added = {name: (min(times[name]) - min(times["plain"])) * 1e6 / layers
+             for name in models if name != "plain"}
     return medians, added
 
 
@@ -173,7 +160,7 @@ def main() -> None:
           f"torch {torch.__version__}), us:")
     for name, us in medians.items():
         print(f"  {name:32s} {us:6.2f}")
-    print("host CPU time added per layer over plain (least of the steps, forward + backward), us:")
+    print("host CPU time added per layer over plain (least step CPU time of the steps), us:")
     for name, us in added.items():
         print(f"  {name:6s} {us:6.1f} ({us / added['bare']:.2f}x bare)")
 

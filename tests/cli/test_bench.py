@@ -261,10 +261,15 @@ def test_save_on_cpu_both_ways_copies_out_and_back_and_matches_no_hooks():
 
     x = torch.randn(4, 8, requires_grad=True)
     x_before = x.detach().clone()
-    unpacked = []
+    unpacked = []  # (the host tensor, what the unpack hook returned)
     hooks = SaveOnCpuBothWays()
     unpack = hooks.unpack_hook
-    hooks.unpack_hook = lambda packed: unpacked.append((packed[1], unpack(packed))) or unpacked[-1][1]
+
+    def recording_unpack(packed):
+        unpacked.append((packed[1], unpack(packed)))
+        return unpacked[-1][1]
+
+    hooks.unpack_hook = recording_unpack
     with hooks:
         y = torch.tanh(x)  # tanh saves its result: packed to the host, unpacked in backward
     y.sum().backward()

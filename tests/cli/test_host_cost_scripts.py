@@ -15,12 +15,15 @@ import swap_pass
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "host_cost_instructions", ROOT / "scripts" / "host_cost_instructions.py")
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load():
+    return _load_script("host_cost_instructions")
 
 
 def test_without_valgrind_it_says_what_to_install(monkeypatch):
@@ -71,10 +74,7 @@ def test_the_instruction_report_gives_eager_over_each_copying_row(capsys):
 
 
 def _load_gc_script():
-    spec = importlib.util.spec_from_file_location("host_cost_gc", ROOT / "scripts" / "host_cost_gc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script("host_cost_gc")
 
 
 def test_the_gc_script_times_collections_of_the_steps_it_runs_and_only_those():
@@ -95,10 +95,7 @@ def test_the_gc_script_times_collections_of_the_steps_it_runs_and_only_those():
 
 
 def test_the_stage_script_times_every_stage_of_every_swapped_layer():
-    spec = importlib.util.spec_from_file_location("host_cost_stages",
-                                                  ROOT / "scripts" / "host_cost_stages.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _load_script("host_cost_stages")
     before, threads = swap_pass.swap_stats(), torch.get_num_threads()
     try:
         medians, added = script.measure(layers=4, steps=3, warmup=1)
