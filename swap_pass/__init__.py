@@ -19,6 +19,7 @@ check_torch_version()
 from swap_pass.config import OnHostExhausted, SwapConfig  # noqa: E402
 from swap_pass.runtime import (  # noqa: E402
     HostMemoryError,
+    SkipReason,
     SwapDataError,
     SwapLayerInputManager,
     SwapStateError,
@@ -58,6 +59,7 @@ __all__ = [
     "OnHostExhausted",
     "SwapConfig",
     # --- runtime ---
+    "SkipReason",
     "SwapLayerInputManager",
     "SwapStats",
     "SwapTensors",

@@ -6,11 +6,13 @@ from collections.abc import Callable
 
 from swap_pass.runtime import live_groups as _live_groups
 from swap_pass.runtime import ownership as _ownership
+from swap_pass.runtime import skips as _skips
 from swap_pass.runtime import stats as _stats
 from swap_pass.runtime.device import accelerator_type, device_streams, is_async_device
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.host_pool import available_host_bytes, host_pool, preflight
 from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.skips import SkipReason
 from swap_pass.runtime.stats import SwapStats
 from swap_pass.runtime.swap_tensors import (
     SwapState,
@@ -23,6 +25,7 @@ from swap_pass.runtime.swap_tensors import (
 __all__ = [
     "HostMemoryError",
     "SwapDataError",
+    "SkipReason",
     "SwapLayerInputManager",
     "SwapState",
     "SwapStateError",
@@ -71,4 +74,5 @@ def reset() -> None:
     host_pool().clear()
     rearm_warnings()
     _ownership.rearm_warnings()
+    _skips.rearm_warnings()
     _stats.clear()

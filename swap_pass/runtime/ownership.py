@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swap_pass.runtime import stats
+from swap_pass.runtime.skips import SkipReason, record_skip
 
 __all__ = ["byte_span", "is_user_data", "may_free", "outside_holders", "swappable_layer_inputs"]
 
@@ -161,7 +161,7 @@ def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str, *,
     keep = []
     for t in tensors:
         if not leaves_owned and is_user_data(t):
-            stats.record(skipped_user_bytes=t.untyped_storage().nbytes())
+            record_skip(SkipReason.USER_DATA, t.untyped_storage().nbytes(), where=layer)
             continue
         if outside_holders([t]) > 0:
             _mark_shared(t)  # checked again when it is to be freed: may_free()
@@ -198,7 +198,7 @@ def may_free(tensors: Sequence[torch.Tensor], layer: str) -> bool:
         return True
     for t in tensors:
         if _was_shared(t) and (extra := outside_holders([t])) > 0:
-            stats.record(skipped_shared_bytes=t.untyped_storage().nbytes())
+            record_skip(SkipReason.SHARED_STORAGE, t.untyped_storage().nbytes(), warn=False)
             _warn_shared(layer, t, extra)
             return False
     return True

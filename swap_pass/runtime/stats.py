@@ -11,6 +11,7 @@ __all__ = [
     "clear",
     "record",
     "record_released",
+    "record_skip",
     "record_swap_in",
     "record_swap_out",
     "set_host_gauges",
@@ -44,6 +45,13 @@ class SwapStats:
             ``swap_pass/runtime/ownership.py``.
         skipped_user_bytes: Bytes of layer-input storages kept on the device because they are
             user data: inputs, parameters, buffers, detached tensors and their views.
+        skipped_bytes: Bytes not swapped, per reason (the values of
+            :class:`swap_pass.runtime.skips.SkipReason`: ``"user_data"``, ``"shared_storage"``,
+            ``"subclass"``, ``"no_storage"``, ``"non_resizable"``, ``"host_exhausted"``,
+            ``"too_small"``, ``"custom_check"``, ``"dynamic_shape"``, ``"no_layers"``); a reason
+            appears once something was skipped for it. See Note: [Never a silent zero] in
+            ``swap_pass/runtime/skips.py``.
+        skips: Tensors (or, for ``"no_layers"``, graphs and models) not swapped, per reason.
     """
 
     swap_outs: int = 0
@@ -59,6 +67,8 @@ class SwapStats:
     kept_on_device: int = 0
     skipped_shared_bytes: int = 0
     skipped_user_bytes: int = 0
+    skipped_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    skips: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 _lock = threading.Lock()
@@ -72,8 +82,14 @@ _acquire, _release = _lock.acquire, _lock.release
 # them as it hands buffers out, so taking and giving back a buffer costs no record() call.
 _HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reserved",
                 "host_allocations")
-_FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats) if f.name not in _HOST_GAUGES)
+_PER_REASON = ("skipped_bytes", "skips")
+_FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats)
+                if f.name not in _HOST_GAUGES + _PER_REASON)
 _counts: dict[str, int] = dict.fromkeys(_FIELDS, 0)
+_skipped_bytes: dict[str, int] = {}
+_skips: dict[str, int] = {}
+# The two older per-reason fields, kept in step with skipped_bytes.
+_LEGACY_FIELD = {"user_data": "skipped_user_bytes", "shared_storage": "skipped_shared_bytes"}
 _host_gauges: Callable[[], dict[str, int]] = lambda: dict.fromkeys(_HOST_GAUGES, 0)
 _restart_host_gauges: Callable[[], None] = lambda: None
 
@@ -134,11 +150,22 @@ def record_released(nbytes: int) -> None:
         _release()
 
 
+def record_skip(reason: str, nbytes: int) -> None:
+    """One tensor of ``nbytes`` not swapped for ``reason`` (use
+    :func:`swap_pass.runtime.skips.record_skip`, which also warns)."""
+    with _lock:
+        _skipped_bytes[reason] = _skipped_bytes.get(reason, 0) + nbytes
+        _skips[reason] = _skips.get(reason, 0) + 1
+        legacy = _LEGACY_FIELD.get(reason)
+        if legacy is not None:
+            _counts[legacy] += nbytes
+
+
 def snapshot() -> SwapStats:
     """Return a copy of the counters."""
     host = _host_gauges()
     with _lock:
-        return SwapStats(**_counts, **host)
+        return SwapStats(**_counts, **host, skipped_bytes=dict(_skipped_bytes), skips=dict(_skips))
 
 
 def clear() -> None:
@@ -147,4 +174,6 @@ def clear() -> None:
         released = _counts["device_bytes_released"]
         _counts.update(dict.fromkeys(_FIELDS, 0), device_bytes_released=released,
                        peak_device_bytes_released=released)
+        _skipped_bytes.clear()
+        _skips.clear()
     _restart_host_gauges()

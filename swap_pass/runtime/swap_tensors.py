@@ -45,6 +45,7 @@ from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateEr
 from swap_pass.runtime.freed_guard import give_up, guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.skips import SkipReason, record_skip
 
 __all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap", "no_group"]
 
@@ -503,6 +504,8 @@ class SwapTensors:
                 raise
             _warn_keep_on_device(self.name)
             stats.record(kept_on_device=1)
+            record_skip(SkipReason.HOST_EXHAUSTED, sum(e.host_nbytes for e in self._entries),
+                        warn=False)  # _warn_keep_on_device said it
             return False
         return True
 
