@@ -23,7 +23,10 @@ import torch
 from torch import nn
 
 from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.runtime.skips import SkipReason
+from swap_pass.runtime.swap_tensors import is_valid_for_swap
 from swap_pass.smart.profiler import LightweightProfiler, now, state_storage_ptrs
+from swap_pass.smart.saved_local import local_of
 from swap_pass.smart.smart_swap import SmartSwap, SmartSwapConfig
 from swap_pass.smart.stages import Stage
 
@@ -38,7 +41,8 @@ class ResidentSavedBytes:
 
     Enter it inside whatever saved-tensor hooks are active (SmartSwap's, or none): it passes
     every pack and unpack through to them, keeps weak references to the storages packed (model
-    parameters and buffers excluded) and after each pack and around each unpack sums their
+    parameters and buffers, views of parameters, and tensors without one plain storage excluded;
+    a ``DTensor``'s local storage counted) and after each pack and around each unpack sums their
     ``untyped_storage().nbytes()`` (a swapped-out storage reads 0).
 
     Args:
@@ -56,10 +60,12 @@ class ResidentSavedBytes:
         pack, unpack = outer if outer is not None else (_identity, _identity)
 
         def counted_pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.state:
-                self.storages[storage._cdata] = weakref.ref(storage)
-            del storage
+            local = local_of(t)  # a DTensor's local tensor; sparse, nested: not counted
+            if type(local) is not SkipReason and is_valid_for_swap(local):  # no parameter views
+                storage = local.untyped_storage()
+                if storage.data_ptr() not in self.state:
+                    self.storages[storage._cdata] = weakref.ref(storage)
+                del storage
             handle = pack(t)
             self.sample()
             return handle

@@ -39,6 +39,7 @@ from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.ownership import outside_holders
 from swap_pass.runtime.swap_tensors import D2H, DEVICE, H2D, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import (
     DetailedProfile,
@@ -49,6 +50,7 @@ from swap_pass.smart.profiler import (
     op_name,
     state_key,
 )
+from swap_pass.smart.saved_local import is_dtensor, local_of, storage_nbytes
 
 __all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
            "measure_copy_bandwidth"]
@@ -199,7 +201,7 @@ class _Handle:
     def __init__(self, slot: _Slot | None, tensor: torch.Tensor, index: int, live: int,
                  unit: _MicroBatch) -> None:
         self.slot, self.tensor, self.index, self.live, self.unit = slot, tensor, index, live, unit
-        self.version = tensor._version
+        self.version = _version(tensor)
 
     @property
     def planned(self) -> bool:
@@ -235,15 +237,22 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def _version(t: torch.Tensor) -> int:
+    """The version counter of ``t``'s data (a DTensor's in-place ops bump its local tensor's)."""
+    if type(t) is torch.Tensor:  # the common case, before the subclass lookup
+        return t._version
+    return t._local_tensor._version if is_dtensor(t) else t._version
+
+
 def _check_version(handle: _Handle) -> None:
     # Note: autograd skips its own version check for tensors saved through hooks; the alias
     # shares the saved tensor's version counter, so an in-place write is still caught here.
-    if handle.tensor._version != handle.version:
+    if _version(handle.tensor) != handle.version:
         t = handle.tensor
         raise RuntimeError(
             f"swap_pass.SmartSwap: a tensor saved for backward (shape {tuple(t.shape)}, {t.dtype}) "
             f"was modified by an inplace operation after it was saved (version {handle.version} -> "
-            f"{t._version}). A saved tensor must not be written before backward; clone it first."
+            f"{_version(t)}). A saved tensor must not be written before backward; clone it first."
         )
 
 
@@ -294,7 +303,9 @@ class SmartExecutor:
         self.miss_limit = miss_limit
         self.conservative_prefetch = conservative_prefetch
         self.state_ptrs: set[int] = set()
+        self.where = "SmartSwap"
         self.fqn = lambda: ""
+        self.in_forward = lambda: False
         self.candidates = lambda: ()
         self.record_planned = False
         self.begin_step(ExecMode.CONSERVATIVE, None)
@@ -376,7 +387,11 @@ class SmartExecutor:
                 return t
             self._close_unit()  # a new forward after a backward: the next micro-batch
             self._begin_micro_batch()
-        storage = t.untyped_storage()
+        local = local_of(t)  # Note: [Saved DTensors] in saved_local.py
+        if type(local) is SkipReason:  # sparse, nested, other subclasses: never read a storage
+            self._skip(t, local)
+            return t
+        storage = local.untyped_storage()
         is_state = storage.data_ptr() in self.state_ptrs
         op, fqn = op_name(t), self.fqn()
         state = state_key(t, storage, self.state_ptrs)
@@ -389,13 +404,19 @@ class SmartExecutor:
         if unit.policy is not None and self.mode == ExecMode.PLANNED:
             pos = self._match(key, storage.nbytes(), is_state)
             self._complete_due()  # a new logical layer may have begun
-        handle = self._handle(t, storage, is_state, pos, live)
+        handle = self._handle(t, local, storage, is_state, pos, live)
         if unit.profile is not None:
             self._record(t, storage, op, fqn, key, live, handle)
         unit.handles.append(weakref.ref(handle) if type(handle) is _Handle else None)
         return handle
 
-    def _handle(self, t, storage, is_state: bool, pos: int | None, live: int):
+    def _skip(self, t: torch.Tensor, reason: SkipReason) -> None:
+        """Count a saved tensor SmartSwap cannot move (see saved_local.py); autograd keeps it."""
+        record_skip(reason, storage_nbytes(t), where=self.where,
+                    detail=f"SmartSwap keeps saved {type(t).__name__} tensors ({t.layout}"
+                           f"{', nested' if t.is_nested else ''}) on the device.")
+
+    def _handle(self, t, local, storage, is_state: bool, pos: int | None, live: int):
         """Track ``t`` if it may move (or the profile needs it); else a plain handle or ``t``."""
         unit = self.unit
         big = storage.nbytes() >= max(self.min_swap_bytes, 1)
@@ -404,7 +425,7 @@ class SmartExecutor:
         else:  # conservative, or unmatched after a fallback (maybe this very miss)
             swap = big and self.mode != ExecMode.PLANNED
         index = -1 if pos is None else pos
-        if not is_state and is_valid_for_swap(t) and (swap or big or unit.profile is not None):
+        if not is_state and is_valid_for_swap(local) and (swap or big or unit.profile is not None):
             return self._track(t, storage, swap, index, live)
         if pos is not None or unit.profile is not None:
             return _Handle(None, t, index, live, unit)
@@ -524,8 +545,8 @@ class SmartExecutor:
         if slot is None or slot.group is not None:
             slot = self._new_slot(storage, swap)
         slot.swap = slot.swap or swap
-        alias = _alias(t)
-        slot.aliases.append(alias)
+        alias = _alias(t)  # a DTensor's detach() is a DTensor over a new local alias
+        slot.aliases.append(local_of(alias))
         unit = self.unit
         if index >= 0:
             unit.by_index[index] = weakref.ref(slot)
@@ -641,6 +662,8 @@ class SmartExecutor:
         if type(handle) is not _Handle:
             return handle
         if not self.backward:
+            if self.in_forward():  # Note: [Reads of saved tensors inside the forward]
+                return self._read_in_forward(handle)
             self._start_backward()
         self.tick += 1
         slot = handle.slot
@@ -653,6 +676,25 @@ class SmartExecutor:
         if handle.unit.profile is not None:
             self._record_unpack(handle)
         self._prefetch_after(handle)
+        return handle.tensor
+
+    def _read_in_forward(self, handle: _Handle) -> torch.Tensor:
+        """A saved tensor read while the model's forward still runs: its data, nothing else.
+
+        Note: [Reads of saved tensors inside the forward]
+        ``torch.autograd.grad`` called inside a forward (a gradient penalty, a physics loss) and
+        reads of ``grad_fn._saved_*`` unpack saved tensors before the backward of the step. They
+        are not its start: the forward goes on, and what it saves next belongs to the same
+        micro-batch. So such an unpack only brings its storage back if it had left (it then
+        stays on the device for the rest of the step) and checks its version; it neither ends
+        the forward's swapping nor counts as a backward read in the profile. An unpack while the
+        model's root module is not running starts the backward, as before.
+        """
+        slot = handle.slot
+        if slot is not None and slot.group is not None and slot.group.stat != DEVICE:
+            self._timed(slot.group.restore)
+            slot.group.assert_on_device("SmartSwap.unpack")
+        _check_version(handle)
         return handle.tensor
 
     def _start_backward(self) -> None:

@@ -20,6 +20,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from swap_pass.runtime.skips import SkipReason
+from swap_pass.smart.saved_local import local_of, state_tensors_local
+
 __all__ = [
     "DetailedProfile",
     "FeatureTracker",
@@ -93,6 +96,10 @@ class FeatureTracker:
             self._stack.pop()
         for cb in self.post_forward_callbacks:
             cb()
+
+    def in_forward(self) -> bool:
+        """True while the model's forward runs (its root module entered and not yet left)."""
+        return len(self._stack) > 1
 
     @property
     def fqn(self) -> str:
@@ -242,7 +249,10 @@ class LightweightProfiler:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         fn = t.grad_fn  # feature_key and state_key, inlined: this is the hot path
-        is_state = fn is None and t.untyped_storage().data_ptr() in self._state
+        local = t if type(t) is torch.Tensor else local_of(t)
+        if type(local) is SkipReason:  # no plain storage: never model state, never moved
+            return t
+        is_state = fn is None and local.untyped_storage().data_ptr() in self._state
         self.keys.append(hash(("leaf" if fn is None else type(fn).__name__, self._tracker._stack[-1],
                                t.dtype, t.shape, is_state)))
         return t
@@ -265,8 +275,9 @@ def _state_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def state_storage_ptrs(model: nn.Module) -> set[int]:
-    """Data pointers of the storages of the model's parameters and buffers."""
-    return {t.untyped_storage().data_ptr() for t in _state_tensors(model) if t.device.type != "meta"}
+    """Data pointers of the storages of the model's parameters and buffers (a ``DTensor``'s:
+    its local tensor's; sparse, nested and other subclasses are left out, see saved_local.py)."""
+    return {t.untyped_storage().data_ptr() for t in state_tensors_local(_state_tensors(model))}
 
 
 def now() -> float:

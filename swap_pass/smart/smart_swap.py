@@ -166,6 +166,7 @@ class SmartSwap:
         self._controller = StageController(config.warmup_steps, config.signature_threshold)
         self._executor = SmartExecutor(config.swap, min_swap_bytes=config.min_swap_bytes,
                                        match_window=config.match_window, miss_limit=config.miss_limit)
+        self._executor.where = f"SmartSwap({type(model).__name__})"
         self.policy: SwapPolicy | None = None
         self.last_profile: DetailedProfile | None = None
         self.last_report: StepReport | None = None
@@ -211,25 +212,55 @@ class SmartSwap:
                 "only the innermost would run and the outer one would record nothing. One "
                 "SmartSwap must be active at a time; give it one module that holds both models."
             )
-        self._tracker = FeatureTracker(self.model, self.config.callsite_depth)
-        self._tracker.post_forward_callbacks.append(self._executor.poll)
-        self._executor.fqn = lambda: self._tracker.fqn
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack, self._executor.unpack)
-        self._hooks.__enter__()
-        _active.append(self)
-        self._begin()
+        try:  # Note: [Entering and leaving as one transaction]
+            state_storage_ptrs(self.model)  # fails here, before any hook, if it cannot be read
+            self._tracker = FeatureTracker(self.model, self.config.callsite_depth)
+            self._tracker.post_forward_callbacks.append(self._executor.poll)
+            self._executor.fqn = lambda: self._tracker.fqn
+            self._executor.in_forward = self._tracker.in_forward
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack, self._executor.unpack)
+            hooks.__enter__()  # raises inside torch.autograd.graph.disable_saved_tensors_hooks
+            self._hooks = hooks
+            _active.append(self)
+            self._begin()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
-        """Remove every hook. Tensors already saved keep working (their unpack still restores)."""
-        if self._hooks is None:
-            return
-        self._hooks.__exit__(None, None, None)
-        self._hooks = None
-        self._tracker.remove()
+        """Remove every hook. Tensors already saved keep working (their unpack still restores).
+
+        Note: [Entering and leaving as one transaction]
+        ``__enter__`` adds module hooks, then saved-tensor hooks, then registers the instance
+        as active; a failure at any point (inside ``disable_saved_tensors_hooks``, a model whose
+        state cannot be read) undoes what was done, so the model and the process are as before
+        and a later ``with smart:`` works. ``close`` undoes each part on its own, even when
+        another part fails, and then re-raises the first failure.
+        """
+        errors = []
+        for undo in (self._pop_hooks, self._remove_tracker, self._deactivate):
+            try:
+                undo()
+            except Exception as e:  # the other parts are still undone
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _pop_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def _remove_tracker(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.remove()
+
+    def _deactivate(self) -> None:
         if self in _active:
             _active.remove(self)
 
@@ -296,7 +327,8 @@ class SmartSwap:
 
     def _begin(self) -> None:
         self._executor.state_ptrs = state_storage_ptrs(self.model)
-        self._tracker.reset()
+        if self._tracker is not None:
+            self._tracker.reset()
         stage = self.stage
         self._executor.begin_step(_MODE[stage], self.policy if stage == Stage.STABLE else None)
         self._t0 = now()
