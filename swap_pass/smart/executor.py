@@ -412,9 +412,11 @@ class SmartExecutor:
 
     def _skip(self, t: torch.Tensor, reason: SkipReason) -> None:
         """Count a saved tensor SmartSwap cannot move (see saved_local.py); autograd keeps it."""
+        what = ("nested" if t.is_nested else f"sparse ({t.layout})" if t.layout != torch.strided
+                else f"{type(t).__name__} (a tensor subclass)")
         record_skip(reason, storage_nbytes(t), where=self.where,
-                    detail=f"SmartSwap keeps saved {type(t).__name__} tensors ({t.layout}"
-                           f"{', nested' if t.is_nested else ''}) on the device.")
+                    detail=f"SmartSwap leaves {what} saved tensors to autograd: they have no one "
+                           "plain storage to free and restore.")
 
     def _handle(self, t, local, storage, is_state: bool, pos: int | None, live: int):
         """Track ``t`` if it may move (or the profile needs it); else a plain handle or ``t``."""

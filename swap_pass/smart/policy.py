@@ -26,7 +26,8 @@ import functools
 from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife
 from swap_pass.smart.simulator import SimResult, simulate
 
-__all__ = ["PolicyEntry", "SwapPolicy", "free_ticks", "gen_policy", "prefetch_ticks", "replay_peak"]
+__all__ = ["PolicyEntry", "SwapPolicy", "explain_peak", "free_ticks", "gen_policy", "prefetch_ticks",
+           "replay_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,8 @@ class SwapPolicy:
         signature: Hash of ``keys``.
         overlap_groups: Logical layers a device-to-host copy may run before the forward waits
             for it (see Note: [Waiting for a copy a logical layer later] in executor.py).
+        unreachable: For a plan over budget, why: where its peak lies (tick, forward or
+            backward) and what is resident there, by cause; ``""`` for a feasible plan.
     """
 
     budget_bytes: int
@@ -94,6 +97,7 @@ class SwapPolicy:
     keys: list[int]
     signature: int
     overlap_groups: int = 0
+    unreachable: str = ""
 
     @functools.cached_property
     def class_keys(self) -> list[int]:
@@ -114,6 +118,7 @@ class SwapPolicy:
             f"({'within' if self.feasible else 'OVER'} budget); prefetch depth "
             f"{self.prefetch_depth} group(s); copies waited {self.overlap_groups} group(s) later; "
             f"predicted stall {self.predicted.stall_s * 1e3:.3f} ms"
+            + (f"; over budget because {self.unreachable}" if self.unreachable else "")
         )
 
     def __repr__(self) -> str:  # one line; the entries are in ``summary()`` and the attributes
@@ -246,8 +251,8 @@ def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int,
         if peak <= budget:
             return chosen
         covering = [c for c in cands if c not in chosen and free[c] <= tick < back[c][0]]
-        if not covering:
-            return chosen
+        if not covering:  # Note: [Budgets the peak cannot reach]
+            return _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups, overlap)
         covering.sort(key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
         excess = peak - budget
         for c in covering:
@@ -255,6 +260,93 @@ def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int,
             excess -= profile.storages[c].nbytes
             if excess <= 0:
                 break
+
+
+def _curve(profile: DetailedProfile, chosen: set[int], depth: int, groups: int,
+           overlap: int, breaks=()) -> tuple[list[int], list[int]]:
+    """Resident bytes from each tick with an event (or in ``breaks``) to the next (at its end:
+    the most during that tick, as frees come first), as (ticks, bytes)."""
+    back = prefetch_ticks(profile, depth, groups)
+    free = free_ticks(profile, groups, overlap) if overlap else {}
+    delta: dict[int, int] = dict.fromkeys(breaks, 0)
+    for ordinal, life in enumerate(profile.storages):
+        back_in = back[ordinal][0] if ordinal in back else None
+        for start, stop in _intervals(life, ordinal in chosen, back_in, profile.end_tick,
+                                      free.get(ordinal)):
+            delta[start] = delta.get(start, 0) + life.nbytes
+            delta[stop] = delta.get(stop, 0) - life.nbytes
+    ticks = sorted(delta)
+    mem, out = 0, []
+    for tick in ticks:
+        mem += delta[tick]
+        out.append(mem)
+    return ticks, out
+
+
+def _excess_area(profile, chosen, depth, groups, overlap, budget) -> int:
+    """Bytes x ticks the resident curve of a choice spends above ``budget``."""
+    ticks, mem = _curve(profile, chosen, depth, groups, overlap)
+    return sum(max(m - budget, 0) * (t1 - t0) for t0, t1, m in zip(ticks, ticks[1:], mem))
+
+
+def _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups, overlap) -> set[int]:
+    """The peak cannot come down: still take every candidate (largest first) that is off the
+    device at some tick still over budget, so the rest of the step comes as low as it can.
+
+    Note: [Budgets the peak cannot reach]
+    When the peak lies where no candidate can be off the device (every storage there is still
+    in use by the forward, or already back for backward), covering the peak stops. Stopping
+    there would leave every other tick as it was: with ``memory_budget=0`` on ``(x + 1) *
+    (x + 1)`` the stable steps then moved nothing while the conservative steps freed both
+    operands after the product. So the choice goes on over the ticks still above the budget:
+    a candidate is taken when its off-device window holds such a tick, which lowers the curve
+    there by its bytes. The plan is infeasible either way; ``SwapPolicy.unreachable`` says why.
+    """
+    rest = sorted((c for c in cands if c not in chosen),
+                  key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
+    breaks = {free[c] for c in rest} | {back[c][0] for c in rest}  # window edges split the curve
+    ticks, mem = _curve(profile, chosen, depth, groups, overlap, breaks)
+    chosen = set(chosen)
+    for c in rest:
+        lo, hi = bisect.bisect_left(ticks, free[c]), bisect.bisect_left(ticks, back[c][0])
+        if lo < hi and max(mem[lo:hi]) > budget:
+            chosen.add(c)
+            nbytes = profile.storages[c].nbytes
+            mem[lo:hi] = [m - nbytes for m in mem[lo:hi]]
+    return chosen
+
+
+def explain_peak(profile: DetailedProfile, chosen: set[int], depth: int, groups: int, overlap: int,
+                 min_swap_bytes: int) -> tuple[int, str]:
+    """Why the replayed peak of a choice is where it is: (tick of the peak, the resident bytes
+    there by cause, in words)."""
+    peak, tick = replay_peak(profile, chosen, depth, groups, overlap)
+    back = prefetch_ticks(profile, depth, groups)
+    free = free_ticks(profile, groups, overlap)
+    causes: dict[str, int] = {}
+    for ordinal, life in enumerate(profile.storages):
+        back_in = back[ordinal][0] if ordinal in back else None
+        spans = _intervals(life, ordinal in chosen, back_in, profile.end_tick, free.get(ordinal))
+        if any(a <= tick < b for a, b in spans):
+            cause = _cause(profile, life, ordinal, tick, back_in, free, min_swap_bytes)
+            causes[cause] = causes.get(cause, 0) + life.nbytes
+    phase = "backward" if profile.backward_tick is not None and tick >= profile.backward_tick else "forward"
+    parts = ", ".join(f"{n} B {cause}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+    return tick, f"the peak of {peak} B lies at tick {tick} ({phase}), where {parts}"
+
+
+def _cause(profile, life: StorageLife, ordinal: int, tick: int, back_in, free, min_swap_bytes) -> str:
+    if life.nbytes < max(min_swap_bytes, 1):
+        return "are below min_swap_bytes"
+    if life.released is None or life.released > tick:
+        return "are still in use outside autograd (the forward's variables and ops hold them)"
+    if back_in is not None and back_in <= tick:
+        return "are back on the device for backward"
+    if life.unpacked is None:
+        return "are never read by backward"
+    if ordinal in free and free[ordinal] > tick:
+        return "are still being copied to the host"
+    return "stay by the plan"
 
 
 def _group_of_record(index: int, n: int, groups: int) -> int:
@@ -281,7 +373,8 @@ def _simulate(profile, chosen, groups, depth, fwd_fraction, d2h_bw, h2d_bw) -> S
 
 def _choose(profile, budget, cands, groups, max_depth, max_overlap, sim_args):
     """Greedy choice at each copy overlap and prefetch depth; keep the best: within budget (else
-    the lowest peak), then the longest overlap, least stall, fewest bytes moved, shallowest.
+    the lowest peak, then the least bytes x ticks over budget), then the longest overlap, least
+    stall, fewest bytes moved, shallowest.
     Returns (chosen storages, depth, overlap, replayed peak, prediction)."""
     best, best_rank = None, None
     for overlap in range(max_overlap, -1, -1):
@@ -290,8 +383,9 @@ def _choose(profile, budget, cands, groups, max_depth, max_overlap, sim_args):
             peak, _ = replay_peak(profile, chosen, depth, groups, overlap)
             sim = _simulate(profile, chosen, groups, depth, *sim_args)
             moved = sum(profile.storages[c].nbytes for c in chosen)
-            rank = (peak > budget, peak if peak > budget else 0, -overlap, round(sim.stall_s, 9),
-                    moved, depth)
+            over = _excess_area(profile, chosen, depth, groups, overlap, budget) if peak > budget else 0
+            rank = (peak > budget, peak if peak > budget else 0, over, -overlap,
+                    round(sim.stall_s, 9), moved, depth)
             if best_rank is None or rank < best_rank:
                 best, best_rank = (chosen, depth, overlap, peak, sim), rank
     return best
@@ -329,6 +423,9 @@ def gen_policy(
     chosen, depth, overlap, peak, sim = _choose(profile, budget_bytes, cands, groups,
                                                 max_prefetch_depth, max_overlap_groups, sim_args)
     entries = _entries(profile.records, profile.storages, chosen, groups)
+    unreachable = ""
+    if peak > budget_bytes:
+        unreachable = explain_peak(profile, chosen, depth, groups, overlap, min_swap_bytes)[1]
     return SwapPolicy(
         budget_bytes=budget_bytes, entries=entries,
         prefetch=_prefetch_plan(profile, chosen, depth, groups), prefetch_depth=depth,
@@ -336,7 +433,7 @@ def gen_policy(
         predicted_peak=peak, predicted=sim, feasible=peak <= budget_bytes,
         memory_reduction=memory_reduction_list(profile, budget_bytes), candidates=cands,
         swapped=sorted(chosen), keys=profile.keys, signature=hash(tuple(profile.keys)),
-        overlap_groups=overlap,
+        overlap_groups=overlap, unreachable=unreachable,
     )
 
 

@@ -408,9 +408,10 @@ def _infeasible_message(budget: int | float, policy: SwapPolicy) -> str:
     asked = f"{budget} B" if isinstance(budget, int) else f"{budget} ({policy.budget_bytes} B here)"
     return (
         f"swap_pass.SmartSwap: memory_budget={asked} cannot be met: the best reachable peak of "
-        f"saved activations is {policy.predicted_peak} B (unswapped {policy.unswapped_peak} B; "
-        f"what stays is not swappable or is read again before it could leave). SmartSwap runs "
-        "that best plan; smart.policy.feasible is False for such plans. Warned once."
+        f"saved activations is {policy.predicted_peak} B (unswapped {policy.unswapped_peak} B): "
+        f"{policy.unreachable}. SmartSwap runs the plan that lowers every other tick as far as "
+        f"it can (it moves {policy.swap_bytes} B); smart.policy.feasible is False and "
+        "smart.policy.summary() repeats this. Warned once."
     )
 
 
