@@ -249,7 +249,7 @@ class LightweightProfiler:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         fn = t.grad_fn  # feature_key and state_key, inlined: this is the hot path
-        local = t if type(t) is torch.Tensor else local_of(t)
+        local = local_of(t)
         if type(local) is SkipReason:  # no plain storage: never model state, never moved
             return t
         is_state = fn is None and local.untyped_storage().data_ptr() in self._state

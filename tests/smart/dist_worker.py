@@ -1,0 +1,222 @@
+"""One rank of SmartSwap's distributed tests: FSDP2 and tensor + sequence parallel, on gloo (CPU).
+
+Each run builds the same tiny residual MLP twice from one seed, parallelizes both copies the same
+way, trains one without swap_pass and one under ``SmartSwap`` for ``STEPS`` optimizer steps, and
+writes what the test asserts on (every loss, gradient and parameter bitwise equal; bytes released;
+the resident saved bytes against the budget) to ``rank{r}.json``.
+
+* ``fsdp2``: ``fully_shard`` on each block and on the root (parameters are ``DTensor`` shards;
+  FSDP2 all-gathers them into storages of its own and frees those itself after each forward).
+* ``fsdp2-keep``: the same with ``reshard_after_forward=False`` (the all-gathered storages live
+  from forward to backward, next to the activations).
+* ``tp``: tensor + sequence parallel plans (``SequenceParallel`` norms, ``ColwiseParallel`` /
+  ``RowwiseParallel`` with ``use_local_output=False``): parameters and the activations between
+  blocks are ``DTensor`` s, saved as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RUNS = ["fsdp2", "fsdp2-keep", "tp"]
+STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class SavedSpy:
+    """Saved-tensor hooks entered over SmartSwap's (passing every call through to them): keeps
+    weak references to the local storages of saved ``DTensor`` s and the storages of saved
+    parameters and parameter views (FSDP2's all-gathered ones), to be read when backward starts."""
+
+    def __init__(self) -> None:
+        self.dtensor_storages: list = []
+        self.param_storages: dict[int, object] = {}
+        self._hooks = None
+
+    def __enter__(self) -> SavedSpy:
+        import weakref
+
+        from swap_pass.smart.saved_local import is_dtensor
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+
+        def spy_pack(t):
+            if is_dtensor(t) and not getattr(t, "_is_param", False):
+                self.dtensor_storages.append(weakref.ref(t._local_tensor.untyped_storage()))
+            elif type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+                base = t._base if t._base is not None else t
+                if isinstance(base, nn.Parameter):
+                    storage = t.untyped_storage()
+                    self.param_storages[storage._cdata] = weakref.ref(storage)
+            return pack(t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(spy_pack, unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def dtensors_freed(self) -> tuple[int, int]:
+        """(saved DTensor activations whose local storage is freed now, all of them)."""
+        live = [r() for r in self.dtensor_storages]
+        return sum(1 for s in live if s is not None and s.nbytes() == 0), len(live)
+
+
+def _tracked_storages(smart) -> set[int]:
+    """Storages SmartSwap's executor holds aliases of (its slots, by storage)."""
+    return {key for key, ref in smart._executor._slots.items() if ref() is not None}
+
+
+def _parallelize(model: Net, run: str, mesh) -> Net:
+    if run.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+        reshard = run == "fsdp2"
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return model
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    plan = {"norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    for layer in model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def _batch(run: str, rank: int, step: int, mesh):
+    g = torch.Generator().manual_seed(100 + step)
+    full = torch.randn(BATCH * 2, SEQ, DIM, generator=g)
+    if run.startswith("fsdp2"):  # data parallel: each rank its half of the batch
+        return full[rank * BATCH:(rank + 1) * BATCH].clone()
+    from torch.distributed.tensor import DTensor, Shard
+    local = full[:BATCH, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone()  # same batch, seq shard
+    return DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    loss = (out * out).mean()
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
+    import swap_pass
+    from swap_pass.smart.bench import ResidentSavedBytes
+    model = _parallelize(Net(), run, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [], "inputs_intact": True}
+    smart = swap_pass.SmartSwap(model, memory_budget=smart_budget) if smart_budget else None
+    if smart is not None:
+        smart.__enter__()
+    try:
+        for step in range(STEPS):
+            x = _batch(run, rank, step, mesh)
+            x_before = _local(x)
+            before = swap_pass.swap_stats().swapped_out_bytes
+            stage = smart.stage.value if smart is not None else "none"
+            with ResidentSavedBytes(model) as counter, SavedSpy() as spy:
+                loss = _loss(model(x))
+                counter.sample()
+                at_backward = []
+                loss.register_hook(lambda g: at_backward.append(spy.dtensors_freed()))
+                if smart is not None:  # FSDP2's all-gathered parameters are never ours
+                    out["params_tracked"] = out.get("params_tracked", 0) + len(
+                        _tracked_storages(smart) & set(spy.param_storages))
+                    out["params_saved"] = out.get("params_saved", 0) + len(spy.param_storages)
+                loss.backward()
+            out.setdefault("dtensors_freed", []).append(at_backward[0])
+            out["losses"].append(loss.detach().clone())
+            out["grads"].append([_local(p.grad) for p in model.parameters()])
+            out["inputs_intact"] &= torch.equal(_local(x), x_before)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if smart is not None:
+                smart.step()
+            out["released"].append(swap_pass.swap_stats().swapped_out_bytes - before)
+            out["peaks"].append(counter.peak)
+            out["stages"].append(stage)
+    finally:
+        if smart is not None:
+            smart.__exit__(None, None, None)
+    out["params"] = [_local(p) for p in model.parameters()]
+    if smart is not None:
+        out["budget_bytes"] = smart.policy.budget_bytes
+        out["feasible"] = smart.policy.feasible
+    out["host_bytes_in_use"] = swap_pass.swap_stats().host_bytes_in_use
+    return out
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    eq = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)  # noqa: E731
+    return {
+        "losses_equal": eq(ref["losses"], got["losses"]),
+        "grads_equal": all(eq(a, b) for a, b in zip(ref["grads"], got["grads"])),
+        "params_equal": eq(ref["params"], got["params"]),
+        "released": got["released"], "stages": got["stages"],
+        "peaks": got["peaks"], "unswapped_peaks": ref["peaks"],
+        "budget_bytes": got["budget_bytes"], "feasible": got["feasible"],
+        "inputs_intact": got["inputs_intact"] and ref["inputs_intact"],
+        "host_bytes_in_use": got["host_bytes_in_use"],
+        "dtensors_freed": got["dtensors_freed"], "params_tracked": got["params_tracked"],
+        "params_saved": got["params_saved"],
+    }
+
+
+def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = None) -> None:
+    """Entry point for ``torch.multiprocessing.spawn``."""
+    import warnings
+
+    import swap_pass
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name in runs or RUNS:
+            swap_pass.reset()
+            ref = _train(name, rank, mesh, None)
+            swap_pass.reset()
+            got = _train(name, rank, mesh, 0.5)
+            results[name] = _compare(ref, got)
+    except Exception as e:  # reported to the test, which fails with it
+        import traceback
+        results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
