@@ -28,18 +28,23 @@ storage is restored before it is read, so a wrong match can cost memory or a sta
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import enum
 import weakref
 
 import torch
 
 from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import is_async_device
-from swap_pass.runtime.ownership import outside_holders
-from swap_pass.runtime.swap_tensors import D2H, DEVICE, H2D, HOST, SwapTensors, is_valid_for_swap
 from swap_pass.runtime.skips import SkipReason, record_skip
+from swap_pass.runtime.swap_tensors import (
+    D2H,
+    DEVICE,
+    H2D,
+    HOST,
+    SwapTensors,
+    is_valid_for_swap,
+)
+from swap_pass.smart.bandwidth import measure_copy_bandwidth
+from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import (
     DetailedProfile,
@@ -50,226 +55,19 @@ from swap_pass.smart.profiler import (
     op_name,
     state_key,
 )
-from swap_pass.smart.saved_local import is_dtensor, local_of, storage_nbytes
+from swap_pass.smart.reports import ExecMode, MicroBatchReport, StepReport
+from swap_pass.smart.saved_handles import (
+    Handle,
+    MicroBatch,
+    Slot,
+    alias_of,
+    check_version,
+)
+from swap_pass.smart.saved_local import local_of, storage_nbytes
 
+# Re-exported: the reports, the matcher and the bandwidth probe lived here before.
 __all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
            "measure_copy_bandwidth"]
-
-
-
-class ExecMode(str, enum.Enum):
-    """How the executor decides per saved tensor."""
-
-    CONSERVATIVE = "conservative"  # swap every eligible activation (warmup)
-    DETAILED = "detailed"  # conservative + record a DetailedProfile (gen_policy)
-    PLANNED = "planned"  # follow a SwapPolicy (stable)
-
-
-@dataclasses.dataclass
-class StepReport:
-    """What one step did.
-
-    Attributes:
-        keys: Feature keys of the first micro-batch in forward order (the lightweight profile).
-        signature: Hash of ``keys``.
-        mode: Executor mode the step began in.
-        fell_back: A planned micro-batch switched to conservative after too many unmatched tensors.
-        matched: Saved tensors matched to policy entries.
-        unmatched: Saved tensors not matched (kept on the device).
-        swapped_storages: Storages moved to the host.
-        swapped_bytes: Their bytes.
-        sync_restores: Unpacks that found their data still off the device (a stall).
-        d2h_waits: Per device-to-host copy of a planned micro-batch: (logical layer it started
-            in, logical layer whose start waited for it; the plan's group count for backward).
-        profile: The detailed profile of the first micro-batch (``DETAILED`` steps, and
-            ``PLANNED`` steps that record), else None.
-        micro_batches: Forward + backward passes in the step (gradient accumulation).
-        units: Per micro-batch: :class:`MicroBatchReport`.
-    """
-
-    keys: list[int]
-    signature: int
-    mode: ExecMode
-    fell_back: bool = False
-    matched: int = 0
-    unmatched: int = 0
-    swapped_storages: int = 0
-    swapped_bytes: int = 0
-    sync_restores: int = 0
-    profile: DetailedProfile | None = None
-    d2h_waits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    micro_batches: int = 0
-    units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
-
-    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
-        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
-                f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
-                f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
-                f"fell_back={self.fell_back}, micro_batches={self.micro_batches})")
-
-
-@dataclasses.dataclass
-class MicroBatchReport:
-    """What one forward + backward of a step did.
-
-    Attributes:
-        keys: Feature keys in forward order.
-        profile: Its detailed profile, when the step recorded one.
-        plan: The plan it ran to its end (None: conservative, or fell back).
-        switched: It left the step's first plan for another cached plan (see
-            Note: [Choosing a cached plan mid-step]).
-        by_structure: The plan it ran was made for another length of the same structure.
-        fell_back: It turned conservative after ``miss_limit`` unmatched tensors.
-    """
-
-    keys: list[int]
-    profile: DetailedProfile | None = None
-    plan: SwapPolicy | None = None
-    switched: bool = False
-    by_structure: bool = False
-    fell_back: bool = False
-
-    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
-        return (f"MicroBatchReport(saved={len(self.keys)}, plan={self.plan!r}, "
-                f"switched={self.switched}, by_structure={self.by_structure}, "
-                f"fell_back={self.fell_back})")
-
-
-class OnlineMatcher:
-    """Aligns live feature keys to a planned sequence as they arrive, tolerating edits.
-
-    Each key is looked up at or after the cursor, at most ``window`` positions ahead: a removed
-    op skips positions, an inserted op's key finds nothing and stays unmatched. ``streak``
-    counts consecutive misses.
-
-    Args:
-        keys: The planned key sequence.
-        window: How far ahead of the cursor a key may match.
-    """
-
-    def __init__(self, keys: list[int], window: int) -> None:
-        self.window = window
-        self.cursor = 0
-        self.streak = 0
-        self._positions: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            self._positions.setdefault(k, []).append(i)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._positions
-
-    def match(self, key: int) -> int | None:
-        """Position of ``key`` in the plan, or None (and the miss streak grows)."""
-        pos = self._positions.get(key)
-        if pos:
-            i = bisect.bisect_left(pos, self.cursor)
-            if i < len(pos) and pos[i] < self.cursor + self.window:
-                self.cursor = pos[i] + 1
-                self.streak = 0
-                return pos[i]
-        self.streak += 1
-        return None
-
-
-class _Slot:
-    """One live activation storage and the aliases our handles keep of it."""
-
-    __slots__ = ("aliases", "group", "swap", "ordinal", "order", "issued", "due", "__weakref__")
-
-    def __init__(self, swap: bool, ordinal: int) -> None:
-        self.aliases: list[torch.Tensor] = []
-        self.group: SwapTensors | None = None
-        self.swap = swap
-        self.ordinal = ordinal
-        self.order = -1
-        self.issued = self.due = 0  # logical layers its device-to-host copy started / is waited in
-
-    def releasable(self) -> bool:
-        """True when nothing but our aliases holds the storage (see Note: [When a saved tensor may leave])."""
-        return outside_holders(self.aliases) == 0  # Note: [Ownership rule] in runtime/ownership.py
-
-
-class _Handle:
-    """What autograd keeps for a saved tensor we track.
-
-    ``live`` is its pack order in its micro-batch (the profile's record index); ``index`` its
-    position in the plan its micro-batch runs (-1: unmatched).
-    """
-
-    __slots__ = ("slot", "tensor", "index", "live", "unit", "version", "__weakref__")
-
-    def __init__(self, slot: _Slot | None, tensor: torch.Tensor, index: int, live: int,
-                 unit: _MicroBatch) -> None:
-        self.slot, self.tensor, self.index, self.live, self.unit = slot, tensor, index, live, unit
-        self.version = _version(tensor)
-
-    @property
-    def planned(self) -> bool:
-        return self.index >= 0 and self.unit.policy is not None
-
-
-class _MicroBatch:
-    """State of one forward + backward of a step: its plan, its matcher and what it saved."""
-
-    def __init__(self, policy: SwapPolicy | None, window: int, record: bool) -> None:
-        self.policy = policy
-        self.window = window
-        self.matcher = OnlineMatcher(policy.keys, window) if policy else None
-        self.by_structure = False
-        self.report = MicroBatchReport(keys=[], profile=DetailedProfile() if record else None)
-        self.classes: list[int] = []  # structure keys (shape-free), forward order
-        self.handles: list[weakref.ref | None] = []  # per live index
-        self.by_index: dict[int, weakref.ref] = {}  # plan position -> slot
-        self.released: list[weakref.ref] = []  # swapped slots in release order
-        self.group = 0  # logical layer of the plan the forward is in
-        self.misses = 0  # saved tensors its plan did not match
-
-    @property
-    def profile(self) -> DetailedProfile | None:
-        return self.report.profile
-
-    def entry_swap(self, pos: int) -> bool:
-        return self.policy.entries[pos].swap
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor over ``t``'s storage that shares its version counter but not its lifetime."""
-    return t.detach()
-
-
-def _version(t: torch.Tensor) -> int:
-    """The version counter of ``t``'s data (a DTensor's in-place ops bump its local tensor's)."""
-    if type(t) is torch.Tensor:  # the common case, before the subclass lookup
-        return t._version
-    return t._local_tensor._version if is_dtensor(t) else t._version
-
-
-def _check_version(handle: _Handle) -> None:
-    # Note: autograd skips its own version check for tensors saved through hooks; the alias
-    # shares the saved tensor's version counter, so an in-place write is still caught here.
-    if _version(handle.tensor) != handle.version:
-        t = handle.tensor
-        raise RuntimeError(
-            f"swap_pass.SmartSwap: a tensor saved for backward (shape {tuple(t.shape)}, {t.dtype}) "
-            f"was modified by an inplace operation after it was saved (version {handle.version} -> "
-            f"{_version(t)}). A saved tensor must not be written before backward; clone it first."
-        )
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 16 << 20, repeats: int = 3) -> float:
-    """Device-to-host copy bandwidth in bytes/s, timed on ``device`` (best of ``repeats``)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=is_async_device(device))
-    best = float("inf")
-    for _ in range(repeats):
-        if is_async_device(device):
-            torch.accelerator.synchronize(device)
-        t0 = now()
-        dst.copy_(src)
-        if is_async_device(device):
-            torch.accelerator.synchronize(device)
-        best = min(best, now() - t0)
-    return nbytes / max(best, 1e-9)
 
 
 def _in_backward() -> bool:
@@ -321,7 +119,7 @@ class SmartExecutor:
         self.tick = 0
         self._t_transfer = 0.0
         self._n_storages = 0
-        self._inflight: list[_Slot] = []  # swap_to_host issued, wait_d2h not yet
+        self._inflight: list[Slot] = []  # swap_to_host issued, wait_d2h not yet
         self._begin_micro_batch()
 
     def _begin_micro_batch(self) -> None:
@@ -329,7 +127,7 @@ class SmartExecutor:
         self._complete_inflight()
         self.mode = self.step_mode
         record = self.mode == ExecMode.DETAILED or (self.mode == ExecMode.PLANNED and self.record_planned)
-        self.unit = _MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
+        self.unit = MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
                                 self.match_window, record)
         self.report.units.append(self.unit.report)
         self.report.micro_batches += 1
@@ -407,7 +205,7 @@ class SmartExecutor:
         handle = self._handle(t, local, storage, is_state, pos, live)
         if unit.profile is not None:
             self._record(t, storage, op, fqn, key, live, handle)
-        unit.handles.append(weakref.ref(handle) if type(handle) is _Handle else None)
+        unit.handles.append(weakref.ref(handle) if type(handle) is Handle else None)
         return handle
 
     def _skip(self, t: torch.Tensor, reason: SkipReason) -> None:
@@ -430,7 +228,7 @@ class SmartExecutor:
         if not is_state and is_valid_for_swap(local) and (swap or big or unit.profile is not None):
             return self._track(t, storage, swap, index, live)
         if pos is not None or unit.profile is not None:
-            return _Handle(None, t, index, live, unit)
+            return Handle(None, t, index, live, unit)
         return t
 
     def _match(self, key: int, nbytes: int, is_state: bool) -> int | None:
@@ -541,23 +339,23 @@ class SmartExecutor:
 
     # --- tracking and releasing -----------------------------------------------------------------
 
-    def _track(self, t: torch.Tensor, storage, swap: bool, index: int, live: int) -> _Handle:
+    def _track(self, t: torch.Tensor, storage, swap: bool, index: int, live: int) -> Handle:
         ref = self._slots.get(storage._cdata)
         slot = ref() if ref is not None else None
         if slot is None or slot.group is not None:
             slot = self._new_slot(storage, swap)
         slot.swap = slot.swap or swap
-        alias = _alias(t)  # a DTensor's detach() is a DTensor over a new local alias
+        alias = alias_of(t)  # a DTensor's detach() is a DTensor over a new local alias
         slot.aliases.append(local_of(alias))
         unit = self.unit
         if index >= 0:
             unit.by_index[index] = weakref.ref(slot)
         if self.mode == ExecMode.PLANNED and not slot.swap:
             self._kept.append(weakref.ref(slot))
-        return _Handle(slot, alias, index, live, unit)
+        return Handle(slot, alias, index, live, unit)
 
-    def _new_slot(self, storage, swap: bool) -> _Slot:
-        slot = _Slot(swap, self._n_storages)
+    def _new_slot(self, storage, swap: bool) -> Slot:
+        slot = Slot(swap, self._n_storages)
         self._n_storages += 1
         self._slots[storage._cdata] = weakref.ref(slot)
         self._pending.append(weakref.ref(slot))
@@ -569,7 +367,7 @@ class SmartExecutor:
         return slot
 
     def _record(self, t, storage, op, fqn, key, live, handle) -> None:
-        slot = handle.slot if type(handle) is _Handle else None
+        slot = handle.slot if type(handle) is Handle else None
         ordinal = slot.ordinal if slot is not None else -1
         profile = self.unit.profile
         profile.records.append(SavedRecord(
@@ -584,7 +382,7 @@ class SmartExecutor:
         if profile.storages[ordinal].dropped is None:
             profile.storages[ordinal].dropped = self.tick
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         self._mark_off(slot)
         if not slot.swap:
             return
@@ -620,7 +418,7 @@ class SmartExecutor:
             return unit.group + unit.policy.overlap_groups
         return unit.group
 
-    def _mark_off(self, slot: _Slot) -> None:
+    def _mark_off(self, slot: Slot) -> None:
         """Profile: from this tick the storage could be (or is) off the device."""
         profile = self.unit.profile
         if profile is not None and profile.storages[slot.ordinal].released is None:
@@ -650,7 +448,7 @@ class SmartExecutor:
             self._wait_d2h(slot, plan.num_groups if plan is not None else self.unit.group)
         self._inflight = []
 
-    def _wait_d2h(self, slot: _Slot, at: int) -> None:
+    def _wait_d2h(self, slot: Slot, at: int) -> None:
         if slot.group.stat != D2H:
             return
         slot.group.wait_d2h()
@@ -661,7 +459,7 @@ class SmartExecutor:
 
     def unpack(self, handle):
         """The unpack hook: data back on the device before anyone reads it, then prefetch."""
-        if type(handle) is not _Handle:
+        if type(handle) is not Handle:
             return handle
         if not self.backward:
             if self.in_forward():  # Note: [Reads of saved tensors inside the forward]
@@ -674,13 +472,13 @@ class SmartExecutor:
                 self.report.sync_restores += slot.group.stat != H2D
                 self._timed(slot.group.restore)
             slot.group.assert_on_device("SmartSwap.unpack")
-        _check_version(handle)
+        check_version(handle)
         if handle.unit.profile is not None:
             self._record_unpack(handle)
         self._prefetch_after(handle)
         return handle.tensor
 
-    def _read_in_forward(self, handle: _Handle) -> torch.Tensor:
+    def _read_in_forward(self, handle: Handle) -> torch.Tensor:
         """A saved tensor read while the model's forward still runs: its data, nothing else.
 
         Note: [Reads of saved tensors inside the forward]
@@ -696,7 +494,7 @@ class SmartExecutor:
         if slot is not None and slot.group is not None and slot.group.stat != DEVICE:
             self._timed(slot.group.restore)
             slot.group.assert_on_device("SmartSwap.unpack")
-        _check_version(handle)
+        check_version(handle)
         return handle.tensor
 
     def _start_backward(self) -> None:
@@ -707,7 +505,7 @@ class SmartExecutor:
         if profile is not None and profile.backward_tick is None:
             profile.backward_tick = self.tick + 1
 
-    def _record_unpack(self, handle: _Handle) -> None:
+    def _record_unpack(self, handle: Handle) -> None:
         profile = handle.unit.profile
         profile.unpack_ticks.append((self.tick, handle.live))
         rec = profile.records[handle.live]
@@ -716,7 +514,7 @@ class SmartExecutor:
         if handle.slot is not None and profile.storages[handle.slot.ordinal].unpacked is None:
             profile.storages[handle.slot.ordinal].unpacked = self.tick
 
-    def _prefetch_after(self, handle: _Handle) -> None:
+    def _prefetch_after(self, handle: Handle) -> None:
         unit, slot = handle.unit, handle.slot
         if handle.planned:
             targets = (unit.by_index.get(j) for j in unit.policy.prefetch.get(handle.index, ()))

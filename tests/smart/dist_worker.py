@@ -103,8 +103,12 @@ def _parallelize(model: Net, run: str, mesh) -> Net:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return model
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     plan = {"norm": SequenceParallel(),
             "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
@@ -180,7 +184,7 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
 
 
 def _compare(ref: dict, got: dict) -> dict:
-    eq = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)  # noqa: E731
+    eq = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
     return {
         "losses_equal": eq(ref["losses"], got["losses"]),
         "grads_equal": all(eq(a, b) for a, b in zip(ref["grads"], got["grads"])),
@@ -199,8 +203,9 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
     """Entry point for ``torch.multiprocessing.spawn``."""
     import warnings
 
-    import swap_pass
     from torch.distributed.device_mesh import init_device_mesh
+
+    import swap_pass
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

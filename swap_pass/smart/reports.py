@@ -1,0 +1,89 @@
+"""What a SmartSwap step did: the executor's mode and its per-step and per-micro-batch reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from swap_pass.smart.policy import SwapPolicy
+from swap_pass.smart.profiler import DetailedProfile
+
+__all__ = ["ExecMode", "MicroBatchReport", "StepReport"]
+
+
+class ExecMode(str, enum.Enum):
+    """How the executor decides per saved tensor."""
+
+    CONSERVATIVE = "conservative"  # swap every eligible activation (warmup)
+    DETAILED = "detailed"  # conservative + record a DetailedProfile (gen_policy)
+    PLANNED = "planned"  # follow a SwapPolicy (stable)
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What one step did.
+
+    Attributes:
+        keys: Feature keys of the first micro-batch in forward order (the lightweight profile).
+        signature: Hash of ``keys``.
+        mode: Executor mode the step began in.
+        fell_back: A planned micro-batch switched to conservative after too many unmatched tensors.
+        matched: Saved tensors matched to policy entries.
+        unmatched: Saved tensors not matched (kept on the device).
+        swapped_storages: Storages moved to the host.
+        swapped_bytes: Their bytes.
+        sync_restores: Unpacks that found their data still off the device (a stall).
+        d2h_waits: Per device-to-host copy of a planned micro-batch: (logical layer it started
+            in, logical layer whose start waited for it; the plan's group count for backward).
+        profile: The detailed profile of the first micro-batch (``DETAILED`` steps, and
+            ``PLANNED`` steps that record), else None.
+        micro_batches: Forward + backward passes in the step (gradient accumulation).
+        units: Per micro-batch: :class:`MicroBatchReport`.
+    """
+
+    keys: list[int]
+    signature: int
+    mode: ExecMode
+    fell_back: bool = False
+    matched: int = 0
+    unmatched: int = 0
+    swapped_storages: int = 0
+    swapped_bytes: int = 0
+    sync_restores: int = 0
+    profile: DetailedProfile | None = None
+    d2h_waits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    micro_batches: int = 0
+    units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
+
+    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
+        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
+                f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
+                f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
+                f"fell_back={self.fell_back}, micro_batches={self.micro_batches})")
+
+
+@dataclasses.dataclass
+class MicroBatchReport:
+    """What one forward + backward of a step did.
+
+    Attributes:
+        keys: Feature keys in forward order.
+        profile: Its detailed profile, when the step recorded one.
+        plan: The plan it ran to its end (None: conservative, or fell back).
+        switched: It left the step's first plan for another cached plan (see
+            Note: [Choosing a cached plan mid-step]).
+        by_structure: The plan it ran was made for another length of the same structure.
+        fell_back: It turned conservative after ``miss_limit`` unmatched tensors.
+    """
+
+    keys: list[int]
+    profile: DetailedProfile | None = None
+    plan: SwapPolicy | None = None
+    switched: bool = False
+    by_structure: bool = False
+    fell_back: bool = False
+
+    def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
+        return (f"MicroBatchReport(saved={len(self.keys)}, plan={self.plan!r}, "
+                f"switched={self.switched}, by_structure={self.by_structure}, "
+                f"fell_back={self.fell_back})")
