@@ -155,7 +155,7 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
                 loss = _loss(model(x))
                 counter.sample()
                 at_backward = []
-                loss.register_hook(lambda g: at_backward.append(spy.dtensors_freed()))
+                loss.register_hook(lambda g, seen=at_backward: seen.append(spy.dtensors_freed()))
                 if smart is not None:  # FSDP2's all-gathered parameters are never ours
                     out["params_tracked"] = out.get("params_tracked", 0) + len(
                         _tracked_storages(smart) & set(spy.param_storages))
