@@ -76,6 +76,7 @@ class CapacityRow:
     step_ms: float | None
     cpu_ms: float | None
     exact_at: int | None = None
+    planned_max: int | None = None
     planned_peak_bytes: int | None = None
     host_bytes: int = 0
     limited_by: str = ""
@@ -154,7 +155,10 @@ class _Search:
         preset = sized_preset(self.preset, self.dim, units).resized(timed_steps=1)
         with warnings.catch_warnings():  # past the largest size SmartSwap says its budget is unreachable
             warnings.filterwarnings("ignore", message=r"swap_pass\.SmartSwap: memory_budget", category=RuntimeWarning)
-            result = run_method(method, preset, ctx, self.seed, on_error=errors.append)
+            try:
+                result = run_method(method, preset, ctx, self.seed, on_error=errors.append)
+            except torch.OutOfMemoryError as err:  # the model itself did not fit (built before the step)
+                return _failed(size, err, budget)
         if result.status == "skipped":
             raise _MethodSkipped(result.reason)
         if errors:
@@ -204,16 +208,18 @@ def _row(search: _Search, method: Method, start: int, limit: int) -> CapacityRow
         units = largest_fitting(lambda u: search.probe(method, u).fits, start, limit)
     except _MethodSkipped as why:
         return CapacityRow(method.key, label, 0, None, None, None, None, None, limited_by=f"skipped: {why}")
+    planned_max = start * dim_quantum(search.preset, search.dim) if method.key in METHOD_LABELS else None
     probes = sorted((p for (k, _), p in search.probes.items() if k == method.key), key=lambda p: p.size)
     if units == 0:
         first = search.probes[(method.key, 1)]
         return CapacityRow(method.key, label, 0, first.peak_bytes, None, None, None, None,
-                           limited_by=first.limited_by, probes=probes)
+                           planned_max=planned_max, limited_by=first.limited_by, probes=probes)
     best, shape = search.probe(method, units), search.shape(units)
     r = best.result
     planned = planned_memory(shape, method.key, search.cap).peak_bytes if method.key in METHOD_LABELS else None
     return CapacityRow(method.key, label, best.size, best.peak_bytes, method_memory(shape, "no_swap").peak_bytes,
-                       None, r.step_s * 1e3, r.cpu_s * 1e3, planned_peak_bytes=planned, host_bytes=best.host_bytes,
+                       None, r.step_s * 1e3, r.cpu_s * 1e3, planned_max=planned_max, planned_peak_bytes=planned,
+                       host_bytes=best.host_bytes,
                        limited_by=_limited_by(search, method, units, limit),
                        smart_budget_bytes=best.smart_budget_bytes, probes=probes)
 

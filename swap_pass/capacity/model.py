@@ -4,9 +4,10 @@ Bytes per token, counted from the tensors each op of :class:`swap_pass.models.Ll
 keeps for backward (``h`` hidden, ``I`` MLP width, ``V`` vocabulary, ``n`` heads, ``e`` bytes
 per element of the dtype; norms and the loss compute in fp32)::
 
-    RMSNorm keeps        4h + 2he     x.float() (the input itself in fp32), x*rsqrt, its output
-    one layer keeps      8h + 11he + 4Ie + 4n + 8
-                         two norms; qkv (3h), rotated q and k, attention output and its
+    RMSNorm keeps        8h + 2he     x.float() twice (fp32 copies; in fp32 both are the input
+                                      itself, so 4h + 2he), x*rsqrt, its output
+    one layer keeps      2 norms + 7he + 4Ie + 4n + 8
+                         qkv (3h), rotated q and k, attention output and its
                          reshaped copy; gate_up (2I), silu, the product; log-sum-exp (n, fp32)
     loss (fp32)          12V at its backward: log-softmax output, its gradient, the logits' gradient
     a layer's backward   kept + he (its output's gradient) + 2Ie (gate/up gradients, concatenated)
@@ -147,9 +148,10 @@ def state_bytes(s: ModelShape) -> int:
 
 def _per_token(s: ModelShape) -> dict[str, int]:
     h, e, i = s.hidden, s.itemsize, s.intermediate
+    norm = (4 * h if e == 4 else 8 * h) + 2 * h * e
     return {
-        "layer": 8 * h + 11 * h * e + 4 * i * e + 4 * s.heads + 8,
-        "norm": 4 * h + 2 * h * e,
+        "layer": 2 * norm + 7 * h * e + 4 * i * e + 4 * s.heads + 8,
+        "norm": norm,
         "input": h * e,
         "input_alias": 4 * h if e == 4 else 0,  # in fp32 the first norm keeps the input itself
         "loss_kept": 4 * s.vocab,

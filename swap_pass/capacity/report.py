@@ -38,13 +38,15 @@ def _exact(value: bool | None, at: int | None) -> str:
 def format_capacity(report: CapacityReport) -> str:
     """The measured table, the planner's row of peaks, and how the cap was enforced."""
     cap, ref = report.device_memory, next((r for r in report.rows if r.method == "no_swap"), None)
-    head = [f"method @ {_mib(cap)}", f"max {report.dim}", "x no swap", "peak", "planned peak", "need w/o swap",
+    head = [f"method @ {_mib(cap)}", f"max {report.dim}", "x no swap", "planned max", "peak", "planned peak",
+            "need w/o swap",
             "x cap", "host", "step ms", "CPU ms", "losses = no swap", "limited by"]
     rows = []
     for r in report.rows:
         gain = f"{r.max / ref.max:.1f}x" if ref is not None and ref.max and r.max else "-"
         need = f"{r.need_without_swap_bytes / cap:.2f}x" if r.need_without_swap_bytes else "-"
-        rows.append([r.label, str(r.max), gain, _mib(r.peak_bytes), _mib(r.planned_peak_bytes),
+        rows.append([r.label, str(r.max), gain, "-" if r.planned_max is None else str(r.planned_max),
+                     _mib(r.peak_bytes), _mib(r.planned_peak_bytes),
                      _mib(r.need_without_swap_bytes), need, _mib(r.host_bytes),
                      "-" if r.step_ms is None else f"{r.step_ms:,.0f}", "-" if r.cpu_ms is None else f"{r.cpu_ms:,.0f}",
                      _exact(r.exact, r.exact_at), r.limited_by])
