@@ -57,6 +57,7 @@ def test_param_count_matches_the_model():
     assert param_count(ModelShape.from_preset(preset)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_planner_within_15_percent_of_measured_peaks_in_bf16():
     """Each method's planned activation peak against the bench's profiled peak of the same step, in
     bf16 (the accelerator preset's dtype: norms and the loss copy to fp32). fp32: the command test."""
