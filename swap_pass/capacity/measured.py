@@ -126,6 +126,7 @@ class _Search:
     virtual: bool
     seed: int = 0
     compile_inner: str = "aot_eager"
+    progress: Callable[[str], None] | None = None
     probes: dict = dataclasses.field(default_factory=dict)
 
     def shape(self, units: int) -> ModelShape:
@@ -135,7 +136,11 @@ class _Search:
         """``method`` at ``units`` (cached): planned host bytes first, then one measured run."""
         key = (method.key, units)
         if key not in self.probes:
-            self.probes[key] = self._run(method, units)
+            self.probes[key] = probe = self._run(method, units)
+            if self.progress is not None:
+                verdict = "fits" if probe.fits else f"does not fit ({probe.limited_by}{': ' if probe.reason else ''}{probe.reason})"
+                peak = "" if probe.peak_bytes is None else f": peak {probe.peak_bytes / 2**20:,.1f} MiB"
+                self.progress(f"{method.key} {self.dim} {probe.size}{peak}, {verdict}")
         return self.probes[key]
 
     def _run(self, method: Method, units: int) -> Probe:
@@ -258,7 +263,7 @@ def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *, d
             has available now. Default: ``None``.
         threads: Intra-op CPU threads while measuring (None: as set). Default: ``1``.
         limit: Largest size searched, in units of ``dim`` (hidden: twice the heads). Default: ``2**16``.
-        progress: Called with a line per method. Default: ``None``.
+        progress: Called with a line per method and per probe. Default: ``None``.
     """
     chosen = select_methods(methods or list(METHOD_LABELS))
     host = available_host_bytes() if host_limit_bytes is None else host_limit_bytes
@@ -266,7 +271,7 @@ def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *, d
     planned = {p.method: p.max // dim_quantum(preset, dim) for p in plan_capacity(preset, dim, cap_bytes, host,
                                                                                    methods=keys, limit=limit)}
     with intra_op_threads(threads), device_memory_cap(device, cap_bytes) as virtual:
-        search = _Search(preset, dim, device, cap_bytes, host, virtual, seed, compile_inner)
+        search = _Search(preset, dim, device, cap_bytes, host, virtual, seed, compile_inner, progress)
         rows = []
         for m in chosen:
             if progress is not None:
