@@ -17,8 +17,8 @@ from swap_pass.bench.measure import anchor_bandwidth, intra_op_threads, quiet_pr
 from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
 from swap_pass.bench.presets import BenchPreset
 
-__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat", "select_methods",
-           "run_bench", "smart_extra_rows", "spread"]
+__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat", "run_bench",
+           "select_methods", "smart_extra_rows", "spread"]
 
 
 @dataclasses.dataclass

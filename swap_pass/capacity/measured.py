@@ -111,7 +111,7 @@ class CapacityReport:
 
 
 class _MethodSkipped(Exception):
-    pass
+    """The method cannot run in this build (its row says why); raised out of the search."""
 
 
 @dataclasses.dataclass
@@ -138,7 +138,8 @@ class _Search:
         if key not in self.probes:
             self.probes[key] = probe = self._run(method, units)
             if self.progress is not None:
-                verdict = "fits" if probe.fits else f"does not fit ({probe.limited_by}{': ' if probe.reason else ''}{probe.reason})"
+                why = f"{probe.limited_by}: {probe.reason}" if probe.reason else probe.limited_by
+                verdict = "fits" if probe.fits else f"does not fit ({why})"
                 peak = "" if probe.peak_bytes is None else f": peak {probe.peak_bytes / 2**20:,.1f} MiB"
                 self.progress(f"{method.key} {self.dim} {probe.size}{peak}, {verdict}")
         return self.probes[key]

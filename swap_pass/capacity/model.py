@@ -84,7 +84,8 @@ class ModelShape:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"swap_pass.capacity: {name}={value!r} is invalid. It must be an int >= 1.")
         if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"swap_pass.capacity: dtype={self.dtype!r} is unknown. It must be one of {sorted(_ITEMSIZE)}.")
+            raise ValueError(f"swap_pass.capacity: dtype={self.dtype!r} is unknown. "
+                             f"It must be one of {sorted(_ITEMSIZE)}.")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"swap_pass.capacity: optimizer={self.optimizer!r} is unknown. "
                              f"It must be one of {sorted(OPTIMIZERS)}.")

@@ -20,7 +20,10 @@ def _gib(n: int) -> str:
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return [line(head), "  ".join("-" * w for w in widths), *map(line, rows)]
 
 
@@ -48,11 +51,14 @@ def format_capacity(report: CapacityReport) -> str:
         rows.append([r.label, str(r.max), gain, "-" if r.planned_max is None else str(r.planned_max),
                      _mib(r.peak_bytes), _mib(r.planned_peak_bytes),
                      _mib(r.need_without_swap_bytes), need, _mib(r.host_bytes),
-                     "-" if r.step_ms is None else f"{r.step_ms:,.0f}", "-" if r.cpu_ms is None else f"{r.cpu_ms:,.0f}",
+                     "-" if r.step_ms is None else f"{r.step_ms:,.0f}",
+                     "-" if r.cpu_ms is None else f"{r.cpu_ms:,.0f}",
                      _exact(r.exact, r.exact_at), r.limited_by])
     err = planner_error(report)
-    lines = [f"swap-pass capacity: largest {report.dim} per method under {_mib(cap)} of device memory "
-             f"({'VIRTUAL cap, CPU' if report.virtual_cap else 'real cap'}; host limit {_mib(report.host_limit_bytes)})",
+    kind = "VIRTUAL cap, CPU" if report.virtual_cap else "real cap"
+    title = (f"swap-pass capacity: largest {report.dim} per method under {_mib(cap)} of device memory "
+             f"({kind}; host limit {_mib(report.host_limit_bytes)})")
+    lines = [title,
              *_table(head, rows),
              f"planner: planned peaks within {err:.1%} of the measured peaks" if err is not None else "planner: -",
              f"peak: {report.meta['peak_source']}",

@@ -26,12 +26,9 @@ ROW_KEYS = {"method", "max", "peak_bytes", "need_without_swap_bytes", "exact", "
 
 
 def test_search_finds_the_largest_fitting_size_from_any_start():
-    for true, start, limit in itertools.product(range(0, 20), range(0, 24), (1, 7, 33)):
-        probes = []
-
+    for true, start, limit in itertools.product(range(20), range(24), (1, 7, 33)):
         def fits(n: int, true: int = true, limit: int = limit) -> bool:
             assert 1 <= n <= limit
-            probes.append(n)
             return n <= true
 
         assert largest_fitting(fits, start, limit) == min(true, limit)
