@@ -275,9 +275,10 @@ def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *, d
         search = _Search(preset, dim, device, cap_bytes, host, virtual, seed, compile_inner, progress)
         rows = []
         for m in chosen:
+            start = planned.get(m.key, planned["no_swap"])
             if progress is not None:
-                progress(f"{m.label}: searching {dim} from {planned.get(m.key, planned['no_swap'])}")
-            rows.append(_row(search, m, planned.get(m.key, planned["no_swap"]), limit))
+                progress(f"{m.label}: searching {dim} from {start * dim_quantum(preset, dim)} (planned)")
+            rows.append(_row(search, m, start, limit))
         _exactness(search, rows, chosen)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(device), "device": str(device), "torch": torch.__version__,
