@@ -10,7 +10,7 @@
 # Outputs go under $OUT when it is set, else ./gpu_check_out:
 #   env.txt, pytest-accelerator.txt, accelerator-junit.xml, pytest-races.txt, races-junit.xml,
 #   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
-#   bench-megatron.txt, bench-megatron.json,
+#   bench-megatron.txt, bench-megatron.json, capacity.txt, capacity-<preset>.json,
 #   summary.txt
 # Exit status: 0 when every stage passed, else the number of stages that failed.
 # Dry run on a CPU machine (no install, small preset):
@@ -97,6 +97,21 @@ rc=$?
 tail -n 8 "$OUT/bench-megatron.txt"
 if [ "$rc" -eq 0 ]; then summary "bench megatron: ok ($(grep -c '^Megatron rows: SKIPPED' "$OUT/bench-megatron.txt") skipped)"
 else summary "bench megatron: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
+
+# --- 6. capacity: largest batch per method under a REAL device-memory cap (<= 240 s) --------
+# swap-pass capacity caps the allocator with set_per_process_memory_fraction, searches each
+# method's largest batch (an out-of-memory error is "does not fit") and prints the planner's peak
+# beside the measured one. Host memory for the swapping methods is capped too (SmartSwap keeps
+# every saved tensor of its warm-up steps in host buffers). GPU_CHECK_CAPACITY_CAP,
+# GPU_CHECK_CAPACITY_HOST and GPU_CHECK_CAPACITY_ARGS (e.g. "--seq 64 --search-max 12") change it.
+# shellcheck disable=SC2086  # GPU_CHECK_CAPACITY_ARGS is a list of extra flags
+timeout 240 python3 -m swap_pass capacity --preset "$PRESET" --device-memory "${GPU_CHECK_CAPACITY_CAP:-24GiB}" \
+  --max-host-bytes "${GPU_CHECK_CAPACITY_HOST:-48GiB}" ${GPU_CHECK_CAPACITY_ARGS:-} \
+  --json "$OUT/capacity-$PRESET.json" > "$OUT/capacity.txt" 2>&1
+rc=$?
+grep -v '^\.\.\. ' "$OUT/capacity.txt" | tail -n 12
+if [ "$rc" -eq 0 ]; then summary "capacity (real cap): ok"
+else summary "capacity (real cap): FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 
 summary "gpu_check: $failed stage(s) failed; outputs in $OUT"
 exit "$failed"

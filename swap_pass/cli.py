@@ -1,4 +1,4 @@
-"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan`` (also ``python -m swap_pass``)."""
+"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan``, ``capacity`` (also ``python -m swap_pass``)."""
 
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 __all__ = ["build_parser", "main"]
 
 _DESCRIPTION = ("swap_pass command line: demo (a small model trained with and without swap), "
-                "bench (methods side by side), plan (bytes and copy-vs-compute estimates). "
+                "bench (methods side by side), plan (bytes and copy-vs-compute estimates; with "
+                "--device-memory the largest size per method), capacity (the largest batch, sequence or "
+                "hidden size each method trains under a device-memory cap, measured). "
                 "Also runs as: python -m swap_pass.")
 
 
@@ -100,6 +102,40 @@ def _add_plan(sub) -> None:
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches in flight, PP (default: 1)")
     p.add_argument("--no-recompute", action="store_true", help="layers are not recomputed in backward")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-' for stdout)")
+    p.add_argument("--device-memory", help="also plan the largest size per method under this much device "
+                   "memory (bytes, or with a unit: 64GiB, 80GB)")
+    p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch",
+                   help="size planned with --device-memory (default: batch)")
+    p.add_argument("--heads", type=int, help="attention heads (default: hidden / 128)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default: 3.5 x hidden, as Llama-3-8B)")
+    p.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default: 128256, Llama 3)")
+    p.add_argument("--optimizer", default="sgd", help="sgd, sgd-momentum, adam (states in the parameter "
+                   "dtype), adam-mixed (fp32 master weights and states) (default: sgd)")
+    p.add_argument("--host-memory", help="host memory the swapping methods may use (default: what this "
+                   "machine has available now)")
+
+
+def _add_capacity(sub) -> None:
+    from swap_pass.bench.presets import PRESETS
+
+    p = sub.add_parser("capacity", help="largest batch/seq/hidden each method trains under a device-memory cap",
+                       description="For each method, search (exponential steps from the planner's answer, "
+                       "then binary) the largest size whose training step runs within the cap, and print "
+                       "its peak, the planner's peak, step and CPU time, and whether its losses equal no "
+                       "swap's. On CPU the cap is virtual (measured peaks compared with it); on an "
+                       "accelerator it is enforced by the allocator.")
+    p.add_argument("--device-memory", help="the cap: bytes, or with a unit (64MiB, 80GiB) "
+                   "(default: the device's total memory)")
+    p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch", help="size searched (default: batch)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an accelerator)")
+    _add_sizes(p, bench=True)
+    p.add_argument("--methods", help="comma list of bench methods (default: no_swap,recompute,eager_swap,smartswap)")
+    p.add_argument("--max-host-bytes", help="host memory the swapping methods may hold (default: what the "
+                   "machine has available now)")
+    p.add_argument("--search-max", type=int, default=1 << 16,
+                   help="largest size tried, in units of --dim (hidden: 2 x heads) (default: 65536)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-' for stdout)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_plan(sub)
+    _add_capacity(sub)
     return parser
 
 
@@ -137,9 +174,9 @@ def _bench_preset(args: argparse.Namespace, device: torch.device):
     changes = _sizes(args)
     if args.seq is not None:
         changes["max_seq_len"] = max(args.seq, preset.model.max_seq_len)
-    if args.steps is not None:
+    if getattr(args, "steps", None) is not None:
         changes["timed_steps"] = args.steps
-    if args.warmup is not None:
+    if getattr(args, "warmup", None) is not None:
         changes["warmup_steps"] = args.warmup
     return preset.resized(**changes)
 
@@ -195,6 +232,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                         micro_batches=args.micro_batches, recompute=not args.no_recompute)
     result = simulate(inputs)
     print(format_plan(inputs, result))
+    if args.device_memory:
+        print(_plan_capacity(args))
     if args.json:
         data = {"inputs": dataclasses.asdict(inputs), "result": {**dataclasses.asdict(result), "hides": result.hides}}
         text = json.dumps(data, indent=2)
@@ -206,10 +245,57 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_capacity(args: argparse.Namespace) -> str:
+    from swap_pass.bench.presets import BenchPreset
+    from swap_pass.capacity.limits import available_host_bytes, parse_bytes
+    from swap_pass.capacity.planned import plan_capacity
+    from swap_pass.capacity.report import format_planned
+    from swap_pass.models import LlamaConfig
+
+    if args.dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"swap_pass.plan: dtype={args.dtype!r} has no memory model. "
+                         "It must be fp32, bf16 or fp16 with --device-memory.")
+    heads = args.heads or max(1, args.hidden // 128)
+    model = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
+                        intermediate_size=args.intermediate or int(3.5 * args.hidden), max_seq_len=args.seq)
+    preset = BenchPreset("plan", model, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    cap = parse_bytes(args.device_memory)
+    host = parse_bytes(args.host_memory) if args.host_memory else available_host_bytes()
+    rows = plan_capacity(preset, args.dim, cap, host, optimizer=args.optimizer, micro_batches=args.micro_batches)
+    what = (f"hidden={args.hidden} layers={args.layers} heads={heads} intermediate={model.intermediate_size} "
+            f"vocab={args.vocab} seq={args.seq} batch={args.batch} dtype={args.dtype} optimizer={args.optimizer} "
+            f"micro_batches={args.micro_batches}")
+    return format_planned(rows, cap, host, args.dim, what)
+
+
+def _run_capacity(args: argparse.Namespace, argv: list[str]) -> int:
+    from swap_pass.bench import default_compile_inner
+    from swap_pass.capacity.limits import device_total_bytes, parse_bytes
+    from swap_pass.capacity.measured import run_capacity
+    from swap_pass.capacity.report import format_capacity, write_capacity_json
+
+    device = _device(args.device)
+    preset = _bench_preset(args, device)
+    cap = parse_bytes(args.device_memory) if args.device_memory else device_total_bytes(device)
+    host = parse_bytes(args.max_host_bytes) if args.max_host_bytes else None
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    report = run_capacity(preset, device, cap, dim=args.dim, methods=methods, host_limit_bytes=host,
+                          seed=args.seed, threads=args.threads, limit=args.search_max,
+                          compile_inner=default_compile_inner(), command=shlex.join(["swap-pass", *argv]),
+                          progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True))
+    print(format_capacity(report))
+    if args.json:
+        write_capacity_json(report, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}")
+    return 1 if any(r.exact is False for r in report.rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``swap-pass`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
 
-    Exit status 1 from ``demo`` and ``bench``: a row failed or its losses differ from its reference.
+    Exit status 1 from ``demo`` and ``bench``: a row failed or its losses differ from its reference;
+    from ``capacity``: a method's losses differ from its reference.
     Exit status 2: bad arguments.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -219,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_demo(args)
         if args.command == "bench":
             return _run_bench(args, argv)
+        if args.command == "capacity":
+            return _run_capacity(args, argv)
         return _run_plan(args)
     except ValueError as err:
         print(f"swap-pass {args.command}: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import accelerator_type
 
 __all__ = ["METHODS", "BenchContext", "Method", "MethodSkipped", "Runner", "default_compile_inner", "require"]
@@ -32,11 +33,14 @@ class BenchContext:
         device: Device the model trains on.
         compile_inner: Inner compiler for the compile rows (``"inductor"``, ``"aot_eager"``).
         smart_budget_bytes: SmartSwap's ``memory_budget``; None until the no-swap row has run.
+        swap_config: Runtime knobs (e.g. ``max_host_bytes``) of the eager swap and SmartSwap rows;
+            None for the defaults. Default: ``None``.
     """
 
     device: torch.device
     compile_inner: str = "aot_eager"
     smart_budget_bytes: int | None = None
+    swap_config: SwapConfig | None = None
 
 
 @dataclasses.dataclass
@@ -99,7 +103,7 @@ def _plain(model: nn.Module, ctx: BenchContext) -> Runner:
 
 def _eager_swap(model: nn.Module, ctx: BenchContext) -> Runner:
     enable = require("swap_pass", "enable_swap_layer_input")
-    handle = enable(model)
+    handle = enable(model, config=ctx.swap_config)
     return Runner(forward=model, close=handle.remove)
 
 
@@ -150,7 +154,7 @@ def _smartswap(model: nn.Module, ctx: BenchContext) -> Runner:
     smart_cls = require("swap_pass", "SmartSwap")
     if ctx.smart_budget_bytes is None:
         raise MethodSkipped("SmartSwap's budget is a fraction of the no-swap peak; run the no_swap row too")
-    smart = smart_cls(model, memory_budget=ctx.smart_budget_bytes)
+    smart = smart_cls(model, memory_budget=ctx.smart_budget_bytes, config=ctx.swap_config)
     smart.__enter__()
 
     @contextlib.contextmanager

@@ -17,8 +17,8 @@ from swap_pass.bench.measure import anchor_bandwidth, intra_op_threads, quiet_pr
 from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
 from swap_pass.bench.presets import BenchPreset
 
-__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat",
-           "run_bench", "smart_extra_rows", "spread"]
+__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat", "run_bench",
+           "select_methods", "smart_extra_rows", "spread"]
 
 
 @dataclasses.dataclass
@@ -169,7 +169,12 @@ def _load() -> float | None:
         return None
 
 
-def _select(keys: Iterable[str] | None) -> list[Method]:
+def select_methods(keys: Iterable[str] | None) -> list[Method]:
+    """The methods named by ``keys`` in :data:`METHODS` order, no swap always among them (None: all).
+
+    Raises:
+        ValueError: naming the unknown keys and the known ones.
+    """
     if keys is None:
         return list(METHODS)
     keys = set(keys) | {"no_swap"}  # the reference of every ratio
@@ -195,7 +200,7 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         threads: Intra-op threads while measuring (None: as set). Default: ``1``.
     """
     with intra_op_threads(threads):
-        report = _run(preset, ctx, _select(methods), seed, smart_budget_fraction, progress, on_step)
+        report = _run(preset, ctx, select_methods(methods), seed, smart_budget_fraction, progress, on_step)
         report.meta.update(command=command, threads=torch.get_num_threads())
         with quiet_profiler():  # SmartSwap's rows run torch.profiler too
             report.extra = smart_extra_rows() if smart_rows else \
