@@ -108,9 +108,9 @@ def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult])
             "d2h_gbs": d2h, "h2d_gbs": h2d}
 
 
-def _row_text(row: dict) -> dict:
-    text = ", ".join(f"{k}={v}" for k, v in row.items() if k != "name")
-    return {"label": str(row.get("name", "")), "value": text, "data": row}
+def _extra_row(section: str, row: dict) -> dict:
+    """One of SmartSwap's rows: its section, a label, and every key it returned (``data``)."""
+    return {"section": section, "label": f"{section}: {row.get('name', '')}", "data": row}
 
 
 def smart_extra_rows(overhead_steps: int = 8, change_seq: int | None = 384,
@@ -139,13 +139,10 @@ def smart_extra_rows(overhead_steps: int = 8, change_seq: int | None = 384,
         dynamic = require("swap_pass.smart.bench", "dynamic_rows")
     except MethodSkipped as why:
         return {"status": "skipped", "reason": str(why), "rows": []}
-    rows = [{**_row_text(r), "label": f"profiler overhead: {r.get('name', '')}"}
-            for r in overhead(steps=overhead_steps)]
-    rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"}
-             for r in budget(change_seq=change_seq)]
+    rows = [_extra_row("profiler overhead", r) for r in overhead(steps=overhead_steps)]
+    rows += [_extra_row("budget", r) for r in budget(change_seq=change_seq)]
     if dynamic_steps:
-        rows += [{**_row_text(r), "label": f"dynamic: {r.get('name', '')}"}
-                 for r in dynamic(steps=dynamic_steps)]
+        rows += [_extra_row("dynamic", r) for r in dynamic(steps=dynamic_steps)]
     return {"status": "ok", "reason": "", "rows": rows}
 
 
