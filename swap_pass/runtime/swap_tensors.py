@@ -1,6 +1,6 @@
 """One group of tensors (one layer's input, one micro-batch) moved between device and host.
 
-State machine (the seed's, enforced)::
+State machine (MindSpeed's, enforced)::
 
     "device" --swap_to_host()--> "d2h" --wait_d2h()--> "host"
         ^                                                 |
