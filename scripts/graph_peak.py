@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
@@ -61,10 +60,12 @@ def main() -> None:
     x_bytes = args.batch * args.seq * args.hidden * 4
     rows = {"budget": ("budget, no checkpointing", dict(memory_budget=args.budget), False),
             "layer_input": ("layer inputs, checkpointing", {}, True)}
+    load_before = os.getloadavg()[0]
     found = [_row(args, rows[key], x_bytes) for key in args.rows.split(",")]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": found, "meta": _meta(args)}, f, indent=2)
+            json.dump({"rows": found, "meta": {**_meta(args), "load_avg_1m": [
+                round(load_before, 2), round(os.getloadavg()[0], 2)]}}, f, indent=2)
 
 
 def _row(args, row, x_bytes: int) -> dict:
@@ -90,12 +91,14 @@ def _row(args, row, x_bytes: int) -> dict:
 
 
 def _meta(args) -> dict:
-    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    from swap_pass.bench.run import describe_machine, source_build
+
     return {"command": shlex.join(["python", "scripts/graph_peak.py", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "build": build.strip(), "layers": args.layers,
+            "machine": describe_machine(torch.device(args.device)),
+            "torch": torch.__version__, "build": source_build(), "layers": args.layers,
             "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "inner": args.inner}
+
 
 if __name__ == "__main__":
     main()

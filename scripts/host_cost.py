@@ -190,7 +190,7 @@ def stages_mode(layers: int = 32, steps: int = 200, warmup: int = 10) -> dict:
                         times[name].append(spent)
     finally:
         _close(built)
-    medians = {name: statistics.median(ns) / 1e3 for name, ns in sorted(stages.items())}
+    medians = {name: statistics.median(ns) / 1e3 for name, ns in stages.items()}
     added = {name: (min(times[name]) - min(times[_REFERENCE])) * 1e6 / layers
              for name in ("bare", "group", "recompute + swap (eager)")}
     stages.clear()
@@ -470,6 +470,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> dict:
     """Run the mode ``argv`` names; print its table; return what it measured."""
     args = _parser().parse_args(argv)
+    load_before = os.getloadavg()[0]
     measure, show = MODES[args.mode]
     kwargs = {k: v for k, v in (("layers", args.layers), (_STEPS[args.mode], args.steps))
               if v is not None}
@@ -483,19 +484,21 @@ def run(argv: list[str]) -> dict:
         found = measure(**kwargs)
     show(found)
     if args.json:
-        found = {**found, "meta": _meta(argv)}
+        found = {**found, "meta": _meta(argv, [round(load_before, 2),
+                                               round(os.getloadavg()[0], 2)])}
         with open(args.json, "w") as f:
             json.dump(found, f, indent=2)
     return found
 
 
-def _meta(argv: list[str]) -> dict:
-    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+def _meta(argv: list[str], loads: list[float]) -> dict:
+    from swap_pass.bench.run import describe_machine, source_build
+
     return {"command": shlex.join(["python", "scripts/host_cost.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-            "torch": torch.__version__, "python": platform.python_version(), "build": build}
+            "machine": describe_machine(torch.device("cpu")),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "build": source_build(), "load_avg_1m": loads}
 
 
 def main(argv: list[str] | None = None) -> None:

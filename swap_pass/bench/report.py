@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -9,7 +10,8 @@ import os
 from swap_pass.bench.harness import MethodResult
 from swap_pass.bench.run import BenchReport, load_caveat
 
-__all__ = ["format_report", "format_rows", "mib", "ms", "plot_memory", "plot_path", "table",
+__all__ = ["Section", "anchor_line", "format_report", "format_rows", "host_section",
+           "method_section", "mib", "ms", "plot_memory", "plot_path", "smart_sections", "table",
            "write_json"]
 
 
@@ -66,7 +68,8 @@ def format_rows(rows: list[MethodResult], head: list[str] | None = None,
     return "\n".join(lines)
 
 
-def _anchor_line(anchor: dict) -> str:
+def anchor_line(anchor: dict) -> str:
+    """The bandwidth anchor in one line."""
     if anchor.get("status") != "ok":
         return f"bandwidth anchor: skipped ({anchor.get('reason', '')})"
     return (f"bandwidth anchor ({anchor['what']}, {anchor['chunks']} x "
@@ -89,42 +92,67 @@ def _host_ratio(rows: dict[str, dict], name: str, base: str) -> str:
     return _x(rows[name]["us_per_layer"] / denominator)
 
 
-def _host_lines(host: dict) -> list[str]:
-    """The host cost per layer as a table (``docs/usage.md``, chapter 7, says how it is taken)."""
+@dataclasses.dataclass
+class Section:
+    """One table of the report: its title, column heads and rows of cells, as printed.
+
+    ``swap-pass bench`` prints it with :func:`table`; ``scripts/results_page.py`` writes the
+    same cells into ``docs/results.md``, so the page shows what the command printed.
+    """
+
+    title: str
+    head: list[str]
+    body: list[list[str]]
+
+    def lines(self) -> list[str]:
+        """The section as text: a blank line, the title, the aligned table."""
+        return ["", f"{self.title}:", *table(self.head, self.body)]
+
+
+def host_section(host: dict) -> Section | None:
+    """The host cost per layer (``docs/usage.md``, chapter 7, says how it is taken); None when
+    it did not run."""
     if host.get("status") != "ok":
-        return ["", f"host cost per layer: SKIPPED: {host.get('reason', '')}"] if host else []
+        return None
     rows = host["rows"]
     base = rows["no swap"]["step_cpu_ms"]
     body = [[name, f"{v['us_per_layer']:.1f}", f"{v['iqr_us_per_layer']:.1f}",
              _x(v["step_cpu_ms"] / base), *(_host_ratio(rows, name, b) for b in _COPYING_HOST_ROWS)]
             for name, v in rows.items() if name != "no swap"]
-    return ["", f"host cost per layer ({host['layers']} tiny checkpointed layers, 1 thread, "
-            f"median of {host['rounds']} paired rounds; process CPU time added over no swap):",
-            *table(_HOST_HEAD, body)]
+    return Section(f"host cost per layer ({host['layers']} tiny checkpointed layers, 1 thread, "
+                   f"median of {host['rounds']} paired rounds; process CPU time added over no "
+                   "swap)", _HOST_HEAD, body)
+
+
+def _host_lines(host: dict) -> list[str]:
+    section = host_section(host)
+    if section is None:
+        return ["", f"host cost per layer: SKIPPED: {host.get('reason', '')}"] if host else []
+    return section.lines()
 
 
 def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}x"
 
 
-def _overhead_table(rows: list[dict]) -> list[str]:
+def _overhead_section(rows: list[dict]) -> Section:
     body = [[r["name"], f"{r['step_ms']:.1f}", _ratio(r["ratio_vs_none"]),
              _ratio(r["ratio_vs_torch_profiler"])] for r in rows]
-    clock = rows[0].get("clock", "cpu") if rows else "cpu"
-    return ["", f"SmartSwap profiler overhead ({clock} time, median of paired steps):",
-            *table(["profiler", "step ms", "vs none", "vs torch.profiler"], body)]
+    clock = rows[0].get("clock", "cpu")
+    return Section(f"SmartSwap profiler overhead ({clock} time, median of paired steps)",
+                   ["profiler", "step ms", "vs none", "vs torch.profiler"], body)
 
 
-def _budget_table(rows: list[dict]) -> list[str]:
+def _budget_section(rows: list[dict]) -> Section:
     reference = next((r for r in rows if r.get("name") == "no swap"), {})
     steps = [r for r in rows if r.get("name") != "no swap"]
     body = [[str(r["step"]), str(r["seq"]), r["stage"], "yes" if r["fell_back"] else "no",
              mib(r["peak_bytes"]), mib(r["budget_bytes"]), "yes" if r["within_budget"] else "NO",
              mib(r["swapped_bytes"]), f"{r['step_ms']:.1f}"] for r in steps]
-    return ["", "SmartSwap budget steps (peak resident saved bytes, read from the storages; "
-            f"without swap: {mib(reference.get('peak_bytes'))} MiB):",
-            *table(["step", "seq", "stage", "fell back", "peak MiB", "budget MiB", "within",
-                    "swapped MiB", "step ms"], body)]
+    return Section("SmartSwap budget steps (peak saved bytes resident, read from the storages; "
+                   f"without swap: {mib(reference.get('peak_bytes'))} MiB)",
+                   ["step", "seq", "stage", "fell back", "peak MiB", "budget MiB", "within",
+                    "swapped MiB", "step ms"], body)
 
 
 def _cache_cell(cache: dict | None) -> str:
@@ -133,34 +161,43 @@ def _cache_cell(cache: dict | None) -> str:
     return "/".join(str(cache.get(k, 0)) for k in ("hits", "misses", "evictions", "derived"))
 
 
-def _dynamic_table(rows: list[dict]) -> list[str]:
+def _dynamic_section(rows: list[dict]) -> Section:
     body = [[r["name"].rpartition("=")[2], str(r["planned"]), str(r["conservative"]),
              str(r["profiling"]), str(r["over_budget"]), f"{r['max_peak_over_budget']:.3f}",
              f"{r['step_ms']:.1f}", f"{r['plain_step_ms']:.1f}", _x(r["ratio_vs_none"]),
              _cache_cell(r.get("cache")), r["kinds"]] for r in rows]
-    lengths = rows[0]["lengths"] if rows else []
-    return ["", f"SmartSwap, varying lengths ({rows[0]['steps'] if rows else 0} steps drawn from "
-            f"{lengths}; CPU time; kinds: p planned, c conservative, P profiling):",
-            *table(["plan cache", "planned", "conservative", "profiling", "over budget",
+    return Section(f"SmartSwap, varying lengths ({rows[0]['steps']} steps drawn from "
+                   f"{rows[0]['lengths']}; CPU time; kinds: p planned, c conservative, "
+                   "P profiling)",
+                   ["plan cache", "planned", "conservative", "profiling", "over budget",
                     "max peak/budget", "step ms", "plain ms", "cpu", "hit/miss/evict/derived",
-                    "kinds"], body)]
+                    "kinds"], body)
 
 
-_EXTRA_TABLES = {"profiler overhead": _overhead_table, "budget": _budget_table,
-                 "dynamic": _dynamic_table}
+_SMART_SECTIONS = {"profiler overhead": _overhead_section, "budget": _budget_section,
+                   "dynamic": _dynamic_section}
+
+
+def smart_sections(extra: dict) -> list[Section]:
+    """SmartSwap's own rows, one short table per section (every key is in ``--json``)."""
+    out = []
+    for name, make in _SMART_SECTIONS.items():
+        rows = [r["data"] for r in extra.get("rows", [])
+                if r.get("section", r.get("label", "").partition(":")[0]) == name]
+        if rows:
+            out.append(make(rows))
+    return out
 
 
 def _extra_lines(extra: dict) -> list[str]:
-    """SmartSwap's own rows, one short table per section (every key is in ``--json``)."""
     if extra.get("status") != "ok":
         return ["", f"SmartSwap rows: SKIPPED: {extra.get('reason', '')}"]
-    lines = []
-    for section, format_section in _EXTRA_TABLES.items():
-        rows = [r["data"] for r in extra.get("rows", [])
-                if r.get("section", r.get("label", "").partition(":")[0]) == section]
-        if rows:
-            lines += format_section(rows)
-    return lines
+    return [line for section in smart_sections(extra) for line in section.lines()]
+
+
+def method_section(rows: list[MethodResult]) -> Section:
+    """The upper table: one row per method that ran."""
+    return Section("methods", _HEAD, [_cells(r) for r in rows if r.status == "ok"])
 
 
 def format_report(report: BenchReport) -> str:
@@ -189,7 +226,7 @@ def format_report(report: BenchReport) -> str:
         "same compile without swap).",
         "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak "
         "host bytes.",
-        _anchor_line(report.anchor),
+        anchor_line(report.anchor),
         *_host_lines(report.host),
         *_extra_lines(report.extra),
     ]

@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -18,7 +19,7 @@ from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped
 from swap_pass.bench.presets import BenchPreset
 
 __all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat",
-           "run_bench", "smart_extra_rows", "spread"]
+           "run_bench", "smart_extra_rows", "source_build", "spread"]
 
 
 @dataclasses.dataclass
@@ -48,6 +49,16 @@ def describe_machine(device: torch.device) -> str:
         return cpu
     name = torch.get_device_module(device.type).get_device_name(device)
     return f"{name}; {cpu}"
+
+
+def source_build() -> str:
+    """``git describe --always --dirty`` of the checkout swap_pass runs from ("" outside one)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def compare_losses(row: MethodResult, ref: MethodResult) -> None:
@@ -241,7 +252,8 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
     _ratios(rows, by_key.get("no_swap"))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(ctx.device), "device": str(ctx.device),
-            "torch": torch.__version__, "preset": dataclasses.asdict(preset),
+            "torch": torch.__version__, "build": source_build(),
+            "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
             "seed": seed, "load_avg_1m": [load_before, _load()]}
     return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), {})
