@@ -135,7 +135,8 @@ def test_without_valgrind_it_says_what_to_install(tool, monkeypatch):
 
 
 def test_instruction_rows_read_each_swap_row_over_each_copying_row(tool):
-    names = ["no swap", EAGER, "torch save_on_cpu (copying)", "torch save_on_cpu (copying both ways)"]
+    names = ["no swap", EAGER, "torch save_on_cpu (copying)",
+             "torch save_on_cpu (copying both ways)"]
     per_step = [1000, 1060, 1010, 1020]  # one layer, 2 x 1 steps
     found = {symbol: 2 * n for (symbol, _), n in zip(tool._DRIVERS, per_step, strict=True)}
     rows = tool.instruction_rows(found, names, layers=1, steps=1)["rows"]
