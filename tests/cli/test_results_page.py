@@ -38,7 +38,8 @@ def _bench_json() -> dict:
         return {"us_per_layer": us, "iqr_us_per_layer": 2.0, "step_cpu_ms": 1.0}
 
     meta = {"command": "swap-pass bench --preset tiny --json t.json",
-            "date": "2026-12-02 18:00 UTC", "machine": "2 CPU cores, x86_64", "torch": "2.13.0+cpu", "build": "abc1234",
+            "date": "2026-12-02 18:00 UTC", "machine": "2 CPU cores, x86_64",
+            "torch": "2.13.0+cpu", "build": "abc1234",
             "load_avg_1m": [0.5, 0.75], "compile_inner": "aot_eager", "threads": 1,
             "preset": {"model": {"num_layers": 6, "hidden_size": 32}, "batch": 4, "seq": 256,
                        "dtype": "fp32", "timed_steps": 3}}
