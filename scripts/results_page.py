@@ -20,10 +20,17 @@ smartswap          the same file: SmartSwap's rows
 host-stages        ``python scripts/host_cost.py stages --json PATH`` (``--stages``)
 host-instructions  ``python scripts/host_cost.py instructions --json PATH`` (``--instructions``)
 graph-peaks        ``python scripts/graph_peak.py --json PATH`` (``--graph``)
+gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
+gpu-compile        the same, its compile rows (``--gpu-compile``)
+megatron           ``swap-pass bench --megatron --json PATH`` (``--megatron``)
 =================  ===========================================================================
+
+``scripts/gpu_check.sh`` writes the last three's files: ``bench-<preset>.json``,
+``bench-<preset>-compile.json`` and ``bench-megatron.json``.
 
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
+       [--gpu-bench G.json] [--gpu-compile C.json] [--megatron M.json]
 """
 
 from __future__ import annotations
@@ -136,11 +143,27 @@ def graph_peaks(data: dict) -> list[str]:
                        "cut (layer inputs)", "gradients bitwise"], body)]
 
 
+def megatron(data: dict) -> list[str]:
+    section = data.get("extra", {}).get("megatron", {})
+    if section.get("status") != "ok":
+        return [f"Not measured by `{data['meta']['command']}`: {section.get('reason', '')}."]
+    body = [[r["method"], mib(r["peak_bytes"]), f"{r['memory_ratio']:.2f}x",
+             f"{r['step_s'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x", mib(r["swapped_out_bytes"]),
+             {True: "yes", False: "NO", None: "-"}[r.get("exact")] + f" (vs {r['exact_vs']})"]
+            if r["status"] == "ok" else [r["method"], *["-"] * 5, r["status"]]
+            for r in section["rows"]]
+    return [provenance(data["meta"]), "",
+            *md_table(["method", "peak MiB", "mem", "step ms", "time", "swapped MiB", "exact"],
+                      body)]
+
+
 # section -> (the option naming its JSON file, what makes its lines)
 SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "bench-methods": ("bench", bench_methods), "bench-host": ("bench", bench_host),
     "smartswap": ("bench", smartswap), "host-stages": ("stages", host_stages),
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
+    "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),
+    "megatron": ("megatron", megatron),
 }
 
 
@@ -170,11 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     for option in sorted({option for option, _ in SECTIONS.values()}):
         parser.add_argument(f"--{option}", type=Path, help="its command's JSON file")
     args = parser.parse_args(argv)
-    files = {option: json.loads(getattr(args, option).read_text())
-             for option in {o for o, _ in SECTIONS.values()} if getattr(args, option) is not None}
+    given = {o: getattr(args, o.replace("-", "_")) for o, _ in SECTIONS.values()}
+    files = {o: json.loads(path.read_text()) for o, path in given.items() if path is not None}
     if not files:
         sys.exit("results_page.py: give at least one JSON file (--bench, --stages, "
-                 "--instructions, --graph).")
+                 "--instructions, --graph, --gpu-bench, --gpu-compile, --megatron).")
     page = Path(args.page)
     page.write_text(regenerate(page.read_text(), files))
 

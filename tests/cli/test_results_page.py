@@ -120,3 +120,14 @@ def test_main_writes_the_page_from_the_json_files(page_tool, tmp_path):
 def test_a_page_without_the_markers_is_refused(page_tool):
     with pytest.raises(SystemExit, match="the page has no section 'graph-peaks'"):
         page_tool.regenerate("# nothing here\n", {"graph": {"rows": [], "meta": {}}})
+
+
+def test_the_megatron_rows_of_a_gpu_run(page_tool):
+    row = {"method": "swap_pass", "status": "ok", "peak_bytes": 3 << 20, "memory_ratio": 0.5,
+           "step_s": 0.25, "time_ratio": 1.1, "swapped_out_bytes": 1 << 20, "exact": True,
+           "exact_vs": "recompute"}
+    data = {**_bench_json(), "extra": {"megatron": {"status": "ok", "rows": [row]}}}
+    lines = page_tool.megatron(data)
+    assert lines[-1] == "| swap_pass | 3.00 | 0.50x | 250.0 | 1.10x | 1.00 | yes (vs recompute) |"
+    skipped = {**data, "extra": {"megatron": {"status": "skipped", "reason": "needs CUDA"}}}
+    assert page_tool.megatron(skipped)[0].endswith(": needs CUDA.")
