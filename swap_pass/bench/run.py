@@ -62,16 +62,18 @@ def source_build() -> str:
 
 
 def compare_losses(row: MethodResult, ref: MethodResult) -> None:
-    """Set ``row.losses_match`` (``torch.equal`` at every common step) and the largest difference."""
+    """Set ``row.losses_match`` (``torch.equal`` at every common step) and the largest
+    difference."""
     if row.status != "ok" or ref.status != "ok" or row is ref:
         return
-    pairs = list(zip(row.loss_tensors, ref.loss_tensors))
+    pairs = list(zip(row.loss_tensors, ref.loss_tensors, strict=False))  # the common steps
     row.losses_match = all(torch.equal(a, b) for a, b in pairs)
     row.max_loss_diff = max((float((a - b).abs()) for a, b in pairs), default=0.0)
 
 
 def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
-    """Memory against the no-swap row; time against the paired no-swap steps (Note: [Paired timing])."""
+    """Memory against the no-swap row; time against the paired no-swap steps
+    (Note: [Paired timing])."""
     for r in rows:
         if r.status != "ok":
             continue
@@ -103,8 +105,9 @@ def load_caveat(meta: dict, rows: list[MethodResult], max_spread: float = 0.1) -
     wide = max(spreads, default=0.0) > max_spread
     if not (busy or wide):
         return ""
-    return (f"caveat: step times are rough here (load average up to {max(loads, default=0.0):.1f} on "
-            f"{cores} cores; run-to-run spread of paired step times up to "
+    return (f"caveat: step times are rough here (load average up to "
+            f"{max(loads, default=0.0):.1f} on {cores} cores; run-to-run spread of paired step "
+            "times up to "
             f"{max(spreads, default=0.0):.0%}); CPU ms move less, memory and losses not at all")
 
 
@@ -114,7 +117,8 @@ def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult])
         return {"status": "skipped", "reason": "no row moved bytes through swap_pass"}
     chunk, chunks = preset.layer_input_bytes, max(preset.model.num_layers - 1, 1)
     d2h, h2d = anchor_bandwidth(device, chunk, chunks)
-    what = "pinned host <-> device copy" if device.type != "cpu" else "CPU memcpy (no device memory)"
+    what = ("pinned host <-> device copy" if device.type != "cpu"
+            else "CPU memcpy (no device memory)")
     return {"status": "ok", "what": what, "chunk_bytes": chunk, "chunks": chunks,
             "d2h_gbs": d2h, "h2d_gbs": h2d}
 
@@ -208,7 +212,8 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         with quiet_profiler():  # SmartSwap's rows run torch.profiler too
             report.extra = smart_extra_rows() if smart_rows else \
                 {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
-    report.host = host_cost_rows() if host_rows else {"status": "skipped", "reason": "--no-host-rows"}
+    report.host = (host_cost_rows() if host_rows
+                   else {"status": "skipped", "reason": "--no-host-rows"})
     report.meta["load_avg_1m"].append(_load())
     return report
 
