@@ -131,3 +131,14 @@ def test_the_megatron_rows_of_a_gpu_run(page_tool):
     assert lines[-1] == "| swap_pass | 3.00 | 0.50x | 250.0 | 1.10x | 1.00 | yes (vs recompute) |"
     skipped = {**data, "extra": {"megatron": {"status": "skipped", "reason": "needs CUDA"}}}
     assert page_tool.megatron(skipped)[0].endswith(": needs CUDA.")
+
+
+def test_the_graph_rows_give_the_cut_in_mib_and_in_layer_inputs(page_tool):
+    meta = {**_bench_json()["meta"], "layers": 4, "hidden": 64, "batch": 8, "seq": 512,
+            "inner": "inductor"}
+    row = {"row": "layer inputs, checkpointing", "reference_peak_bytes": 50 << 20,
+           "peak_bytes": 48 << 20, "cut_layer_inputs": 2.0, "bitwise": True,
+           "max_relative_difference": 0.0}
+    lines = page_tool.graph_peaks({"rows": [row], "meta": meta})
+    assert lines[-1] == ("| layer inputs, checkpointing | 50.00 | 48.00 | 0.960x | 2.00 | 2.00 "
+                         "| yes |")
