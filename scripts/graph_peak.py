@@ -60,12 +60,12 @@ def main() -> None:
     x_bytes = args.batch * args.seq * args.hidden * 4
     rows = {"budget": ("budget, no checkpointing", dict(memory_budget=args.budget), False),
             "layer_input": ("layer inputs, checkpointing", {}, True)}
-    load_before = os.getloadavg()[0]
+    meta = _meta(args)  # the build and date as the measuring starts
     found = [_row(args, rows[key], x_bytes) for key in args.rows.split(",")]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": found, "meta": {**_meta(args), "load_avg_1m": [
-                round(load_before, 2), round(os.getloadavg()[0], 2)]}}, f, indent=2)
+            meta["load_avg_1m"].append(round(os.getloadavg()[0], 2))
+            json.dump({"rows": found, "meta": meta}, f, indent=2)
 
 
 def _row(args, row, x_bytes: int) -> dict:
@@ -97,7 +97,8 @@ def _meta(args) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(torch.device(args.device)),
             "torch": torch.__version__, "build": source_build(), "layers": args.layers,
-            "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "inner": args.inner}
+            "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "inner": args.inner,
+            "load_avg_1m": [round(os.getloadavg()[0], 2)]}
 
 
 if __name__ == "__main__":

@@ -470,7 +470,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> dict:
     """Run the mode ``argv`` names; print its table; return what it measured."""
     args = _parser().parse_args(argv)
-    load_before = os.getloadavg()[0]
+    meta = _meta(argv)  # the build and date as the measuring starts
     measure, show = MODES[args.mode]
     kwargs = {k: v for k, v in (("layers", args.layers), (_STEPS[args.mode], args.steps))
               if v is not None}
@@ -484,21 +484,21 @@ def run(argv: list[str]) -> dict:
         found = measure(**kwargs)
     show(found)
     if args.json:
-        found = {**found, "meta": _meta(argv, [round(load_before, 2),
-                                               round(os.getloadavg()[0], 2)])}
+        meta["load_avg_1m"].append(round(os.getloadavg()[0], 2))
+        found = {**found, "meta": meta}
         with open(args.json, "w") as f:
             json.dump(found, f, indent=2)
     return found
 
 
-def _meta(argv: list[str], loads: list[float]) -> dict:
+def _meta(argv: list[str]) -> dict:
     from swap_pass.bench.run import describe_machine, source_build
 
     return {"command": shlex.join(["python", "scripts/host_cost.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(torch.device("cpu")),
             "torch": torch.__version__, "python": platform.python_version(),
-            "build": source_build(), "load_avg_1m": loads}
+            "build": source_build(), "load_avg_1m": [round(os.getloadavg()[0], 2)]}
 
 
 def main(argv: list[str] | None = None) -> None:

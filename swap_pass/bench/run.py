@@ -241,7 +241,7 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
          smart_budget_fraction: float, progress: Callable[[str], None] | None,
          on_step: Callable[[], None] | None) -> BenchReport:
     rows: list[MethodResult] = []
-    load_before = _load()
+    load_before, build = _load(), source_build()  # as the measuring starts
     pace = pace_setter(preset, ctx.device, seed)
     _warm_up_kernels(pace)
     for method in methods:
@@ -257,7 +257,7 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
     _ratios(rows, by_key.get("no_swap"))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(ctx.device), "device": str(ctx.device),
-            "torch": torch.__version__, "build": source_build(),
+            "torch": torch.__version__, "build": build,
             "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
             "seed": seed, "load_avg_1m": [load_before, _load()]}
