@@ -133,7 +133,8 @@ def graph_peaks(data: dict) -> list[str]:
     meta = data["meta"]
     body = [[f"{r['row']}", mib(r["reference_peak_bytes"]), mib(r["peak_bytes"]),
              f"{r['peak_bytes'] / r['reference_peak_bytes']:.3f}x",
-             mib(r["reference_peak_bytes"] - r["peak_bytes"]), f"{r['cut_layer_inputs']:.2f}",
+             mib(r["reference_peak_bytes"] - r["peak_bytes"]),
+             f"{r['cut_layer_inputs']:.2f}" if r.get("checkpoint", True) else "-",
              "yes" if r["bitwise"] else f"no ({r['max_relative_difference']:.1e})"]
             for r in data["rows"]]
     return [provenance(meta), "",
