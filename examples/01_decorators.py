@@ -1,4 +1,4 @@
-"""The seed's decorators on a hand-written Transformer layer (MindSpeed / Megatron style).
+"""MindSpeed's decorators on a hand-written Transformer layer (MindSpeed / Megatron style).
 
 ``@swap_layer_input_init_wrapper`` on ``__init__`` gives each layer instance a
 ``SwapLayerInputManager`` (in construction order); ``@swap_layer_input_forward_wrapper`` on
@@ -37,7 +37,7 @@ class Block(nn.Module):
 
 
 class SwapBlock(Block):
-    """The same block with the seed's decorators: no other change to the layer."""
+    """The same block with MindSpeed's decorators: no other change to the layer."""
 
     @swap_layer_input_init_wrapper
     def __init__(self, hidden: int) -> None:

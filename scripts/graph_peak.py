@@ -8,13 +8,21 @@ bitwise, with torch.use_deterministic_algorithms(True) (``--no-deterministic`` t
 without it Inductor's CPU code for the embedding's backward adds into the weight gradient with
 atomic adds from several threads, so even the compile without swap differs from run to run.
 
+``--json PATH`` writes the rows with the command, date and build (``scripts/results_page.py``
+makes ``docs/results.md``'s table from it).
+
 Usage: python scripts/graph_peak.py [--layers 4 --hidden 64 --batch 8 --seq 512 --inner inductor
-                                     --budget 0.5 --rows budget,layer_input]
+                                     --budget 0.5 --rows budget,layer_input --json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
 import time
 
 import torch
@@ -31,7 +39,8 @@ def _run(args, backend, checkpoint: bool):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("layers", 4), ("hidden", 64), ("batch", 8), ("seq", 512), ("vocab", 128)):
+    sizes = (("layers", 4), ("hidden", 64), ("batch", 8), ("seq", 512), ("vocab", 128))
+    for name, default in sizes:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--inner", default="inductor")
     p.add_argument("--budget", type=float, default=0.5)
@@ -39,6 +48,7 @@ def main() -> None:
     p.add_argument("--rows", default="budget,layer_input", help="budget, layer_input or both")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.use_deterministic_algorithms while compiling and running")
+    p.add_argument("--json", help="also write the rows, command and build to this file")
     args = p.parse_args()
     torch.use_deterministic_algorithms(args.deterministic)
     import torch._functorch.config as functorch_config
@@ -50,21 +60,45 @@ def main() -> None:
     x_bytes = args.batch * args.seq * args.hidden * 4
     rows = {"budget": ("budget, no checkpointing", dict(memory_budget=args.budget), False),
             "layer_input": ("layer inputs, checkpointing", {}, True)}
-    for key in args.rows.split(","):
-        label, options, checkpoint = rows[key]
-        backend = make_swap_backend(args.inner, **options)
-        t0 = time.time()
-        peak, grads = _run(args, backend, checkpoint)
-        ref_peak, ref_grads = _run(args, args.inner, checkpoint)
-        equal = all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
-        diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                   for a, b in zip(grads, ref_grads))
-        print(f"{label}: peak {ref_peak / 2**20:.2f} -> {peak / 2**20:.2f} MiB "
-              f"(x{peak / ref_peak:.3f}, cut {(ref_peak - peak) / 2**20:.2f} MiB = "
-              f"{(ref_peak - peak) / x_bytes:.2f} layer inputs of {args.layers}); "
-              f"grads bitwise equal: {equal} (max relative difference {diff:.1e}); "
-              f"{time.time() - t0:.0f} s")
-        print("  " + backend.partitions[-1].summary().splitlines()[0])
+    meta = _meta(args)  # the build and date as the measuring starts
+    found = [_row(args, rows[key], x_bytes) for key in args.rows.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            meta["load_avg_1m"].append(round(os.getloadavg()[0], 2))
+            json.dump({"rows": found, "meta": meta}, f, indent=2)
+
+
+def _row(args, row, x_bytes: int) -> dict:
+    label, options, checkpoint = row
+    backend = make_swap_backend(args.inner, **options)
+    t0 = time.time()
+    peak, grads = _run(args, backend, checkpoint)
+    ref_peak, ref_grads = _run(args, args.inner, checkpoint)
+    equal = all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(grads, ref_grads, strict=True))
+    print(f"{label}: peak {ref_peak / 2**20:.2f} -> {peak / 2**20:.2f} MiB "
+          f"(x{peak / ref_peak:.3f}, cut {(ref_peak - peak) / 2**20:.2f} MiB = "
+          f"{(ref_peak - peak) / x_bytes:.2f} layer inputs of {args.layers}); "
+          f"grads bitwise equal: {equal} (max relative difference {diff:.1e}); "
+          f"{time.time() - t0:.0f} s")
+    summary = backend.partitions[-1].summary().splitlines()[0]
+    print("  " + summary)
+    return {"row": label, "options": {k: v for k, v in options.items()},
+            "checkpoint": checkpoint, "peak_bytes": peak, "reference_peak_bytes": ref_peak,
+            "cut_layer_inputs": (ref_peak - peak) / x_bytes, "bitwise": equal,
+            "max_relative_difference": diff, "partition": summary}
+
+
+def _meta(args) -> dict:
+    from swap_pass.bench.run import describe_machine, source_build
+
+    return {"command": shlex.join(["python", "scripts/graph_peak.py", *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": describe_machine(torch.device(args.device)),
+            "torch": torch.__version__, "build": source_build(), "layers": args.layers,
+            "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "inner": args.inner,
+            "load_avg_1m": [round(os.getloadavg()[0], 2)]}
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def _train(args, cfg, ref, model, ref_opt, opt, log) -> dict[str, object]:
     for step in range(args.steps):
         batch = make_batch(cfg, args.batch, args.seq, seed=step, device=args.device)
         expected = run_step(ref, ref_opt, batch)
-        got = run_step(model, opt, batch, lambda: check_freed(step, expected_freed))
+        got = run_step(model, opt, batch, lambda step=step: check_freed(step, expected_freed))
         check_exact(step, expected, got)
         check_clean(step)
         summary["steps_done"] = step + 1

@@ -6,7 +6,8 @@
 # CI runs torch 2.13.0 only (the README's command); the GPU check box has torch 2.11, the
 # floor in pyproject. Run this before relying on another release: torch 2.11 (its CUDA wheel
 # imports on a CPU-only machine) found three incompatibilities on 2026-11-29, torch 2.6 many
-# more (docs/results.md), which is why the floor is 2.11 (swap_pass refuses to import below it).
+# more (swap_pass/_version_check.py names them), which is why the floor is 2.11 (swap_pass
+# refuses to import below it).
 # The venv is reused when it exists.
 set -euo pipefail
 version="${1:?usage: $0 TORCH_VERSION [VENV_DIR] [pytest args...]}"

@@ -18,7 +18,7 @@ step's process CPU time minus its pair's, divided by ``layers``. The cyclic garb
 is paused during each timed step, as ``timeit`` pauses it, and the young generation collected
 before it: a collection costs whichever step it falls in (about 50 us for a young one, 120-140
 ms for a full one on this model, against differences of a few hundred us per step). What a
-method adds to collection over many steps is ``scripts/host_cost_gc.py``'s to measure.
+method adds to collection over many steps is ``scripts/host_cost.py gc``'s to measure.
 
 Reading the rows on CPU: ``torch save_on_cpu`` packs each layer's input with ``tensor.cpu()``,
 which for a CPU tensor is the tensor itself (no copy, nothing freed), so its figure is the cost
@@ -50,7 +50,9 @@ from torch.utils.checkpoint import checkpoint
 
 from swap_pass.bench.measure import intra_op_threads
 
-__all__ = ["HOST_METHODS", "HostCostModel", "SaveOnCpuBothWays", "host_us_per_layer", "minimal_swap"]
+__all__ = ["HOST_METHODS", "HostCostModel", "MinimalSwapForward", "SaveOnCpuBothWays",
+           "bare_allocate", "bare_copy_back", "bare_copy_out", "bare_free", "cpu_time",
+           "host_us_per_layer", "isolated_step", "minimal_swap"]
 
 
 class _TinyLayer(nn.Module):
@@ -155,8 +157,33 @@ def _smartswap(model: nn.Module, x: torch.Tensor) -> _Method:
     return _Method(step, smart.close, smart.paused)
 
 
-class _MinimalSwapForward:
-    """A block's forward that swaps its input the barest way: see :func:`minimal_swap`."""
+def bare_allocate(nbytes: int) -> torch.Tensor:
+    """The bare reference's first stage: a fresh host buffer of ``nbytes`` bytes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def bare_copy_out(host: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    """The bare reference's copy out: ``storage``'s bytes into ``host`` through a byte view."""
+    host.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+
+
+def bare_free(storage: torch.UntypedStorage) -> None:
+    """The bare reference's free: the storage resized to nothing."""
+    storage.resize_(0)
+
+
+def bare_copy_back(host: torch.Tensor, storage: torch.UntypedStorage, nbytes: int) -> None:
+    """The bare reference's way back: the storage re-allocated, ``host``'s bytes copied in."""
+    storage.resize_(nbytes)
+    torch.empty(0, dtype=torch.uint8).set_(storage).copy_(host)
+
+
+class MinimalSwapForward:
+    """A block's forward that swaps its input the barest way: see :func:`minimal_swap`.
+
+    Its stages are the ``bare_*`` functions of this module, so that a tool timing them one by
+    one (``scripts/host_cost.py stages``) times this reference and no copy of it.
+    """
 
     def __init__(self, layer: nn.Module) -> None:
         self.forward = type(layer).forward.__get__(layer)
@@ -165,21 +192,25 @@ class _MinimalSwapForward:
         out = self.forward(hidden_states)
         if torch._C._current_graph_task_id() != -1:  # recomputation in backward
             return out
-        storage = hidden_states.untyped_storage()
-        nbytes = storage.nbytes()
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        host.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        storage.resize_(0)
-
-        def restore(grad: torch.Tensor) -> None:
-            storage.resize_(nbytes)
-            torch.empty(0, dtype=torch.uint8).set_(storage).copy_(host)
-
-        out.register_hook(restore)
+        out.register_hook(self.swap_out(hidden_states))
         return out
 
+    def swap_out(self, hidden_states: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """Copy the input out and free it; return the gradient hook that brings it back."""
+        storage = hidden_states.untyped_storage()
+        nbytes = storage.nbytes()
+        host = bare_allocate(nbytes)
+        bare_copy_out(host, storage)
+        bare_free(storage)
 
-def minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
+        def restore(grad: torch.Tensor) -> None:
+            bare_copy_back(host, storage, nbytes)
+
+        return restore
+
+
+def minimal_swap(model: nn.Module, x: torch.Tensor,
+                 forward: type[MinimalSwapForward] = MinimalSwapForward) -> _Method:
     """A reference, not a way to train: the least a layer-input swap does in Python per layer.
 
     Each inner layer's input is copied to a fresh host buffer and its storage freed after the
@@ -187,9 +218,14 @@ def minimal_swap(model: nn.Module, x: torch.Tensor) -> _Method:
     Nothing else: no streams or events, no ownership rule, no guard against reading freed data,
     no buffer pool, no prefetch. The first layer (its input is the caller's) and the last are
     left alone, as the eager protocol leaves the last.
+
+    Args:
+        model: A :class:`HostCostModel`.
+        x: Its input.
+        forward: The wrapper each inner layer gets. Default: :class:`MinimalSwapForward`.
     """
     for layer in list(model.layers)[1:-1]:
-        object.__setattr__(layer, "forward", _MinimalSwapForward(layer))
+        object.__setattr__(layer, "forward", forward(layer))
 
     def close() -> None:
         for layer in model.layers:
@@ -213,7 +249,7 @@ HOST_METHODS: dict[str, Callable[[nn.Module, torch.Tensor], _Method]] = {
 _REFERENCE = "no swap"
 
 
-def _cpu_time(fn: Callable[[], None]) -> float:
+def cpu_time(fn: Callable[[], None]) -> float:
     """Process CPU time of ``fn()``, the cyclic collector paused (see the module's docstring)."""
     collecting = gc.isenabled()
     gc.collect(0)  # the young garbage of the steps before is theirs
@@ -261,13 +297,31 @@ def host_us_per_layer(layers: int = 32, rounds: int = 60, warmup: int = 5,
     return _summarize(diffs, steps, layers)
 
 
+def isolated_step(built: dict[str, _Method], name: str) -> Callable[[], None]:
+    """``name``'s step with every other method's ``around_others`` entered around it (entering
+    them is part of the step: for a tool that counts, not for the timed rounds)."""
+    others = [m.around_others for other, m in built.items()
+              if other != name and m.around_others is not None]
+    step = built[name].step
+    if not others:
+        return step
+
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            for around in others:
+                stack.enter_context(around())
+            step()
+
+    return run
+
+
 def _timed(built: dict[str, _Method], name: str) -> float:
     """Process CPU time of one step of ``name``, the other methods' contexts entered around it."""
     with contextlib.ExitStack() as others:
         for other, method in built.items():
             if other != name and method.around_others is not None:
                 others.enter_context(method.around_others())
-        return _cpu_time(built[name].step)
+        return cpu_time(built[name].step)
 
 
 def _rounds(built: dict[str, _Method], rounds: int, warmup: int,

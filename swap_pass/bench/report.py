@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -9,7 +10,9 @@ import os
 from swap_pass.bench.harness import MethodResult
 from swap_pass.bench.run import BenchReport, load_caveat
 
-__all__ = ["format_report", "format_rows", "mib", "ms", "plot_memory", "plot_path", "write_json"]
+__all__ = ["Section", "anchor_line", "format_report", "format_rows", "host_section",
+           "method_section", "mib", "ms", "plot_memory", "plot_path", "smart_sections", "table",
+           "write_json"]
 
 
 def mib(n: float | None) -> str:
@@ -42,65 +45,159 @@ def ms(seconds: float | None) -> str:
 
 def _cells(r: MethodResult) -> list[str]:
     return [r.label, mib(r.peak_bytes), _x(r.memory_ratio), ms(r.step_s), ms(r.cpu_s),
-            _x(r.time_ratio), _x(r.cpu_ratio), f"{r.tokens_per_s:,.0f}", _match(r), _gbs(r.d2h_gbs), _gbs(r.h2d_gbs),
-            mib(r.peak_host_bytes) if r.peak_host_bytes else "-"]
+            _x(r.time_ratio), _x(r.cpu_ratio), f"{r.tokens_per_s:,.0f}", _match(r),
+            _gbs(r.d2h_gbs), _gbs(r.h2d_gbs), mib(r.peak_host_bytes) if r.peak_host_bytes else "-"]
+
+
+def table(head: list[str], body: list[list[str]]) -> list[str]:
+    """Aligned text table: the first column left, the others right, a rule under the head."""
+    rows = [head, *body]
+    widths = [max(len(line[i]) for line in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+             for line in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def format_rows(rows: list[MethodResult], head: list[str] | None = None,
                 cells=_cells) -> str:
     """Aligned table of the rows that ran, then one line per skipped or failed row."""
-    head = head or _HEAD
-    table = [head] + [cells(r) for r in rows if r.status == "ok"]
-    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-             for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = table(head or _HEAD, [cells(r) for r in rows if r.status == "ok"])
     lines += [f"{r.label}: {r.status.upper()}: {r.reason}" for r in rows if r.status != "ok"]
     return "\n".join(lines)
 
 
-def _anchor_line(anchor: dict) -> str:
+def anchor_line(anchor: dict) -> str:
+    """The bandwidth anchor in one line."""
     if anchor.get("status") != "ok":
         return f"bandwidth anchor: skipped ({anchor.get('reason', '')})"
-    return (f"bandwidth anchor ({anchor['what']}, {anchor['chunks']} x {mib(anchor['chunk_bytes'])} MiB): "
-            f"D2H {anchor['d2h_gbs']:.2f} GB/s, H2D {anchor['h2d_gbs']:.2f} GB/s")
+    return (f"bandwidth anchor ({anchor['what']}, {anchor['chunks']} x "
+            f"{mib(anchor['chunk_bytes'])} MiB): D2H {anchor['d2h_gbs']:.2f} GB/s, "
+            f"H2D {anchor['h2d_gbs']:.2f} GB/s")
+
+
+# The host table's ratio columns: each swap row over each copying save_on_cpu row (docs/usage.md
+# says which to read against which).
+_SWAP_HOST_ROWS = ("recompute + swap (eager)", "SmartSwap")
+_COPYING_HOST_ROWS = {"torch save_on_cpu (copying both ways)": "/ both ways",
+                      "torch save_on_cpu (copying)": "/ copying"}
+_HOST_HEAD = ["method", "host us/layer", "IQR us", "cpu", *_COPYING_HOST_ROWS.values()]
+
+
+def _host_ratio(rows: dict[str, dict], name: str, base: str) -> str:
+    denominator = rows.get(base, {}).get("us_per_layer", 0.0)
+    if name not in _SWAP_HOST_ROWS or denominator <= 0:
+        return "-"
+    return _x(rows[name]["us_per_layer"] / denominator)
+
+
+@dataclasses.dataclass
+class Section:
+    """One table of the report: its title, column heads and rows of cells, as printed.
+
+    ``swap-pass bench`` prints it with :func:`table`; ``scripts/results_page.py`` writes the
+    same cells into ``docs/results.md``, so the page shows what the command printed.
+    """
+
+    title: str
+    head: list[str]
+    body: list[list[str]]
+
+    def lines(self) -> list[str]:
+        """The section as text: a blank line, the title, the aligned table."""
+        return ["", f"{self.title}:", *table(self.head, self.body)]
+
+
+def host_section(host: dict) -> Section | None:
+    """The host cost per layer (``docs/usage.md``, chapter 7, says how it is taken); None when
+    it did not run."""
+    if host.get("status") != "ok":
+        return None
+    rows = host["rows"]
+    base = rows["no swap"]["step_cpu_ms"]
+    body = [[name, f"{v['us_per_layer']:.1f}", f"{v['iqr_us_per_layer']:.1f}",
+             _x(v["step_cpu_ms"] / base), *(_host_ratio(rows, name, b) for b in _COPYING_HOST_ROWS)]
+            for name, v in rows.items() if name != "no swap"]
+    return Section(f"host cost per layer ({host['layers']} tiny checkpointed layers, 1 thread, "
+                   f"median of {host['rounds']} paired rounds; process CPU time added over no "
+                   "swap)", _HOST_HEAD, body)
 
 
 def _host_lines(host: dict) -> list[str]:
-    if host.get("status") != "ok":
-        return [f"host us per layer: skipped ({host.get('reason', '')})"] if host else []
-    base = host["rows"]["no swap"]["step_cpu_ms"]
-    cells = ", ".join(f"{name} {v['us_per_layer']:.1f} (IQR {v['iqr_us_per_layer']:.1f}; step "
-                      f"{v['step_cpu_ms'] / base:.2f}x)" for name, v in host["rows"].items()
-                      if name != "no swap")
-    return [f"host us per layer (process CPU time added per layer per step over no swap; "
-            f"{host['layers']} tiny checkpointed layers, 1 thread, collector paused, median of "
-            f"{host['rounds']} rounds of adjacent pairs, each step after one of its own; step: "
-            f"median step CPU time over no swap's, which the machine's speed moves less): {cells}",
-            *_host_ratio_lines(host["rows"])]
+    section = host_section(host)
+    if section is None:
+        return ["", f"host cost per layer: SKIPPED: {host.get('reason', '')}"] if host else []
+    return section.lines()
 
 
-# The host row's ratios: each swap row over each copying save_on_cpu row (docs/usage.md says
-# which to read against which).
-_SWAP_HOST_ROWS = ("recompute + swap (eager)", "SmartSwap")
-_COPYING_HOST_ROWS = ("torch save_on_cpu (copying both ways)", "torch save_on_cpu (copying)")
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}x"
 
 
-def _host_ratio_lines(rows: dict[str, dict]) -> list[str]:
-    lines = []
-    for base in _COPYING_HOST_ROWS:
-        denominator = rows.get(base, {}).get("us_per_layer", 0.0)
-        cells = [f"{name} {rows[name]['us_per_layer'] / denominator:.2f}x"
-                 for name in _SWAP_HOST_ROWS if name in rows and denominator > 0]
-        if cells:
-            lines.append(f"host us per layer over {base}: {', '.join(cells)}")
-    return lines
+def _overhead_section(rows: list[dict]) -> Section:
+    body = [[r["name"], f"{r['step_ms']:.1f}", _ratio(r["ratio_vs_none"]),
+             _ratio(r["ratio_vs_torch_profiler"])] for r in rows]
+    clock = rows[0].get("clock", "cpu")
+    return Section(f"SmartSwap profiler overhead ({clock} time, median of paired steps)",
+                   ["profiler", "step ms", "vs none", "vs torch.profiler"], body)
+
+
+def _budget_section(rows: list[dict]) -> Section:
+    reference = next((r for r in rows if r.get("name") == "no swap"), {})
+    steps = [r for r in rows if r.get("name") != "no swap"]
+    body = [[str(r["step"]), str(r["seq"]), r["stage"], "yes" if r["fell_back"] else "no",
+             mib(r["peak_bytes"]), mib(r["budget_bytes"]), "yes" if r["within_budget"] else "NO",
+             mib(r["swapped_bytes"]), f"{r['step_ms']:.1f}"] for r in steps]
+    return Section("SmartSwap budget steps (peak saved bytes resident, read from the storages; "
+                   f"without swap: {mib(reference.get('peak_bytes'))} MiB)",
+                   ["step", "seq", "stage", "fell back", "peak MiB", "budget MiB", "within",
+                    "swapped MiB", "step ms"], body)
+
+
+def _cache_cell(cache: dict | None) -> str:
+    if not cache:
+        return "-"
+    return "/".join(str(cache.get(k, 0)) for k in ("hits", "misses", "evictions", "derived"))
+
+
+def _dynamic_section(rows: list[dict]) -> Section:
+    body = [[r["name"].rpartition("=")[2], str(r["planned"]), str(r["conservative"]),
+             str(r["profiling"]), str(r["over_budget"]), f"{r['max_peak_over_budget']:.3f}",
+             f"{r['step_ms']:.1f}", f"{r['plain_step_ms']:.1f}", _x(r["ratio_vs_none"]),
+             _cache_cell(r.get("cache")), r["kinds"]] for r in rows]
+    return Section(f"SmartSwap, varying lengths ({rows[0]['steps']} steps drawn from "
+                   f"{rows[0]['lengths']}; CPU time; kinds: p planned, c conservative, "
+                   "P profiling)",
+                   ["plan cache", "planned", "conservative", "profiling", "over budget",
+                    "max peak/budget", "step ms", "plain ms", "cpu", "hit/miss/evict/derived",
+                    "kinds"], body)
+
+
+_SMART_SECTIONS = {"profiler overhead": _overhead_section, "budget": _budget_section,
+                   "dynamic": _dynamic_section}
+
+
+def smart_sections(extra: dict) -> list[Section]:
+    """SmartSwap's own rows, one short table per section (every key is in ``--json``)."""
+    out = []
+    for name, make in _SMART_SECTIONS.items():
+        rows = [r["data"] for r in extra.get("rows", [])
+                if r.get("section", r.get("label", "").partition(":")[0]) == name]
+        if rows:
+            out.append(make(rows))
+    return out
 
 
 def _extra_lines(extra: dict) -> list[str]:
     if extra.get("status") != "ok":
-        return [f"SmartSwap extra rows: SKIPPED: {extra.get('reason', '')}"]
-    return [f"SmartSwap {row.get('label')}: {row.get('value')}" for row in extra.get("rows", [])]
+        return ["", f"SmartSwap rows: SKIPPED: {extra.get('reason', '')}"]
+    return [line for section in smart_sections(extra) for line in section.lines()]
+
+
+def method_section(rows: list[MethodResult]) -> Section:
+    """The upper table: one row per method that ran."""
+    return Section("methods", _HEAD, [_cells(r) for r in rows if r.status == "ok"])
 
 
 def format_report(report: BenchReport) -> str:
@@ -110,9 +207,11 @@ def format_report(report: BenchReport) -> str:
     loads = m["load_avg_1m"]
     caveat = load_caveat(m, report.rows)
     lines = [
-        f"swap-pass bench: preset {p['name']} on {m['device']} ({m['machine']}), torch {m['torch']}, {m['date']}",
-        f"model: {p['model']['num_layers']} layers, hidden {p['model']['hidden_size']}, batch {p['batch']}, "
-        f"seq {p['seq']}, {p['dtype']}; compile rows use inner={m['compile_inner']}; "
+        f"swap-pass bench: preset {p['name']} on {m['device']} ({m['machine']}), "
+        f"torch {m['torch']}, {m['date']}",
+        f"model: {p['model']['num_layers']} layers, hidden {p['model']['hidden_size']}, "
+        f"batch {p['batch']}, seq {p['seq']}, {p['dtype']}; compile rows use "
+        f"inner={m['compile_inner']}; "
         f"{p['timed_steps']} timed steps (median), {m.get('threads', '?')} intra-op thread(s); "
         f"load average {loads[0]} -> {loads[-1]}",
         *([caveat] if caveat else []),
@@ -120,11 +219,14 @@ def format_report(report: BenchReport) -> str:
         format_rows(report.rows),
         "",
         f"peak MiB: {src}. mem: ratio to 'no swap'.",
-        "step ms / CPU ms: median wall / process CPU time of a step. time / cpu: median of (step / "
-        "the no-swap step run right after it), in wall / CPU time; tok/s: tokens per second of wall time.",
-        "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against the same compile without swap).",
-        "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak host bytes.",
-        _anchor_line(report.anchor),
+        "step ms / CPU ms: median wall / process CPU time of a step. time / cpu: median of "
+        "(step / the no-swap step run right after it), in wall / CPU time; tok/s: tokens per "
+        "second of wall time.",
+        "losses vs ref: torch.equal at every step against 'no swap' (compile swap: against the "
+        "same compile without swap).",
+        "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak "
+        "host bytes.",
+        anchor_line(report.anchor),
         *_host_lines(report.host),
         *_extra_lines(report.extra),
     ]
@@ -201,7 +303,8 @@ def plot_memory(report: BenchReport, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_title("all rows", fontsize=9)
     if zoom:
-        for line, (_, _, y) in zip(axes[0][1].get_lines(), curves):  # each row's peak, dashed
+        # each row's peak, dashed
+        for line, (_, _, y) in zip(axes[0][1].get_lines(), curves, strict=True):
             if max(y) <= zoom:
                 axes[0][1].axhline(max(y), color=line.get_color(), linestyle="--", linewidth=0.8)
         axes[0][1].set_ylim(0, zoom)

@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -17,8 +18,8 @@ from swap_pass.bench.measure import anchor_bandwidth, intra_op_threads, quiet_pr
 from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, require
 from swap_pass.bench.presets import BenchPreset
 
-__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat", "run_bench",
-           "select_methods", "smart_extra_rows", "spread"]
+__all__ = ["BenchReport", "compare_losses", "describe_machine", "host_cost_rows", "load_caveat",
+           "run_bench", "select_methods", "smart_extra_rows", "source_build", "spread"]
 
 
 @dataclasses.dataclass
@@ -50,17 +51,29 @@ def describe_machine(device: torch.device) -> str:
     return f"{name}; {cpu}"
 
 
+def source_build() -> str:
+    """``git describe --always --dirty`` of the checkout swap_pass runs from ("" outside one)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
 def compare_losses(row: MethodResult, ref: MethodResult) -> None:
-    """Set ``row.losses_match`` (``torch.equal`` at every common step) and the largest difference."""
+    """Set ``row.losses_match`` (``torch.equal`` at every common step) and the largest
+    difference."""
     if row.status != "ok" or ref.status != "ok" or row is ref:
         return
-    pairs = list(zip(row.loss_tensors, ref.loss_tensors))
+    pairs = list(zip(row.loss_tensors, ref.loss_tensors, strict=False))  # the common steps
     row.losses_match = all(torch.equal(a, b) for a, b in pairs)
     row.max_loss_diff = max((float((a - b).abs()) for a, b in pairs), default=0.0)
 
 
 def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
-    """Memory against the no-swap row; time against the paired no-swap steps (Note: [Paired timing])."""
+    """Memory against the no-swap row; time against the paired no-swap steps
+    (Note: [Paired timing])."""
     for r in rows:
         if r.status != "ok":
             continue
@@ -92,8 +105,9 @@ def load_caveat(meta: dict, rows: list[MethodResult], max_spread: float = 0.1) -
     wide = max(spreads, default=0.0) > max_spread
     if not (busy or wide):
         return ""
-    return (f"caveat: step times are rough here (load average up to {max(loads, default=0.0):.1f} on "
-            f"{cores} cores; run-to-run spread of paired step times up to "
+    return (f"caveat: step times are rough here (load average up to "
+            f"{max(loads, default=0.0):.1f} on {cores} cores; run-to-run spread of paired step "
+            "times up to "
             f"{max(spreads, default=0.0):.0%}); CPU ms move less, memory and losses not at all")
 
 
@@ -103,14 +117,15 @@ def _anchor(preset: BenchPreset, device: torch.device, rows: list[MethodResult])
         return {"status": "skipped", "reason": "no row moved bytes through swap_pass"}
     chunk, chunks = preset.layer_input_bytes, max(preset.model.num_layers - 1, 1)
     d2h, h2d = anchor_bandwidth(device, chunk, chunks)
-    what = "pinned host <-> device copy" if device.type != "cpu" else "CPU memcpy (no device memory)"
+    what = ("pinned host <-> device copy" if device.type != "cpu"
+            else "CPU memcpy (no device memory)")
     return {"status": "ok", "what": what, "chunk_bytes": chunk, "chunks": chunks,
             "d2h_gbs": d2h, "h2d_gbs": h2d}
 
 
-def _row_text(row: dict) -> dict:
-    text = ", ".join(f"{k}={v}" for k, v in row.items() if k != "name")
-    return {"label": str(row.get("name", "")), "value": text, "data": row}
+def _extra_row(section: str, row: dict) -> dict:
+    """One of SmartSwap's rows: its section, a label, and every key it returned (``data``)."""
+    return {"section": section, "label": f"{section}: {row.get('name', '')}", "data": row}
 
 
 def smart_extra_rows(overhead_steps: int = 8, change_seq: int | None = 384,
@@ -139,13 +154,10 @@ def smart_extra_rows(overhead_steps: int = 8, change_seq: int | None = 384,
         dynamic = require("swap_pass.smart.bench", "dynamic_rows")
     except MethodSkipped as why:
         return {"status": "skipped", "reason": str(why), "rows": []}
-    rows = [{**_row_text(r), "label": f"profiler overhead: {r.get('name', '')}"}
-            for r in overhead(steps=overhead_steps)]
-    rows += [{**_row_text(r), "label": f"budget: {r.get('name', '')}"}
-             for r in budget(change_seq=change_seq)]
+    rows = [_extra_row("profiler overhead", r) for r in overhead(steps=overhead_steps)]
+    rows += [_extra_row("budget", r) for r in budget(change_seq=change_seq)]
     if dynamic_steps:
-        rows += [{**_row_text(r), "label": f"dynamic: {r.get('name', '')}"}
-                 for r in dynamic(steps=dynamic_steps)]
+        rows += [_extra_row("dynamic", r) for r in dynamic(steps=dynamic_steps)]
     return {"status": "ok", "reason": "", "rows": rows}
 
 
@@ -205,7 +217,8 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         with quiet_profiler():  # SmartSwap's rows run torch.profiler too
             report.extra = smart_extra_rows() if smart_rows else \
                 {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
-    report.host = host_cost_rows() if host_rows else {"status": "skipped", "reason": "--no-host-rows"}
+    report.host = (host_cost_rows() if host_rows
+                   else {"status": "skipped", "reason": "--no-host-rows"})
     report.meta["load_avg_1m"].append(_load())
     return report
 
@@ -233,7 +246,7 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
          smart_budget_fraction: float, progress: Callable[[str], None] | None,
          on_step: Callable[[], None] | None) -> BenchReport:
     rows: list[MethodResult] = []
-    load_before = _load()
+    load_before, build = _load(), source_build()  # as the measuring starts
     pace = pace_setter(preset, ctx.device, seed)
     _warm_up_kernels(pace)
     for method in methods:
@@ -249,7 +262,8 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
     _ratios(rows, by_key.get("no_swap"))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(ctx.device), "device": str(ctx.device),
-            "torch": torch.__version__, "preset": dataclasses.asdict(preset),
+            "torch": torch.__version__, "build": build,
+            "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
             "seed": seed, "load_avg_1m": [load_before, _load()]}
     return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), {})

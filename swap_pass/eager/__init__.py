@@ -1,4 +1,4 @@
-"""Eager SwapLayerInput: the seed's decorators and no-edit ``enable_swap_layer_input``."""
+"""Eager SwapLayerInput: MindSpeed's decorators and no-edit ``enable_swap_layer_input``."""
 
 from __future__ import annotations
 

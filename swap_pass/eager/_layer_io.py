@@ -1,7 +1,7 @@
 """Reading a layer call: where its ``hidden_states`` is, which outputs carry gradients.
 
 A layer call looks like ``layer(hidden_states, *rest, **kw)`` or ``layer(..., hidden_states=x)``
-(the seed's convention: the ``hidden_states`` kwarg first, else ``args[0]``). A layer returns a
+(MindSpeed's convention: the ``hidden_states`` kwarg first, else ``args[0]``). A layer returns a
 tensor, a tuple/list whose items include tensors (Megatron returns ``(hidden_states, context)``),
 or a mapping (HF ``ModelOutput``). Everything else is passed through untouched.
 """

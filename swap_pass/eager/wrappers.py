@@ -1,4 +1,4 @@
-"""The seed's decorators: swap each Transformer layer's input in MindSpeed-style layer code.
+"""MindSpeed's decorators: swap each Transformer layer's input in MindSpeed-style layer code.
 
 Usage (Megatron / MindSpeed style; both decorators, in this order of construction then call)::
 

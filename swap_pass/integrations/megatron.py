@@ -142,7 +142,7 @@ def enable(model: nn.Module | Iterable[nn.Module], *,
 
 
 def swap_layer_spec(spec: Any, module_tag: str = "megatron") -> Any:
-    """A copy of a Megatron layer ``ModuleSpec`` whose layer class carries the seed decorators.
+    """A copy of a Megatron layer ``ModuleSpec`` whose layer class carries MindSpeed's decorators.
 
     The layer class becomes a subclass of ``spec.module`` with
     ``@swap_layer_input_init_wrapper`` on ``__init__`` and ``@swap_layer_input_forward_wrapper``

@@ -1,6 +1,6 @@
 """Per-layer swap bookkeeping: which groups of a layer are off the device, in micro-batch order.
 
-Forward of layer ``i`` (the seed's protocol, driven by the eager wrappers)::
+Forward of layer ``i`` (MindSpeed's protocol, driven by the eager wrappers)::
 
     layer i runs -> manager[i-1].free_swapped_out()     # wait D2H of layer i-1's input, free it
                  -> manager[i].swap_out(layer i input)  # start its D2H (not for the last layer)

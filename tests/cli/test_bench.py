@@ -206,6 +206,7 @@ def test_smartswap_extra_rows_or_their_skip_reason():
     labels = [r["label"] for r in extra["rows"]]
     assert any(label.startswith("profiler overhead: ") for label in labels)
     assert any(label.startswith("budget: ") for label in labels)
+    assert {r["section"] for r in extra["rows"]} == {"profiler overhead", "budget", "dynamic"}
     change, after = [r["data"] for r in extra["rows"] if r["label"] == "budget: smartswap"][-2:]
     assert change["seq"] == after["seq"] == 384 and change["stage"] == "stable"
     # The change step falls back (no plan is as long) within budget; the next step runs the plan
@@ -283,22 +284,69 @@ def test_save_on_cpu_both_ways_copies_out_and_back_and_matches_no_hooks():
     assert packed.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()  # a copy out
 
 
-def test_host_ratio_lines_read_swap_rows_over_each_copying_row():
+def _columns(lines: list[str]) -> dict[str, list[str]]:
+    """A printed table's rows by their first cell, split on runs of two or more spaces."""
+    import re
+
+    return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines)}
+
+
+def test_host_table_reads_swap_rows_over_each_copying_row():
     from swap_pass.bench.report import _host_lines
 
     def row(us):
         return {"us_per_layer": us, "iqr_us_per_layer": 1.0, "step_cpu_ms": 2.0}
 
-    rows = {"no swap": row(0.0), "torch save_on_cpu (copying)": row(10.0),
+    rows = {"no swap": {**row(0.0), "step_cpu_ms": 1.0}, "torch save_on_cpu (copying)": row(10.0),
             "torch save_on_cpu (copying both ways)": row(20.0),
             "recompute + swap (eager)": row(60.0), "SmartSwap": row(70.0)}
     lines = _host_lines({"status": "ok", "layers": 16, "rounds": 60, "rows": rows})
-    assert lines[1:] == [
-        "host us per layer over torch save_on_cpu (copying both ways): "
-        "recompute + swap (eager) 3.00x, SmartSwap 3.50x",
-        "host us per layer over torch save_on_cpu (copying): "
-        "recompute + swap (eager) 6.00x, SmartSwap 7.00x",
-    ]
+    assert lines[1].startswith("host cost per layer (16 tiny checkpointed layers")
+    assert set(lines[3]) == {"-", " "}  # the rule under the head, as in the upper table
+    table = _columns(lines[2:3] + lines[4:])
+    assert table["method"] == ["host us/layer", "IQR us", "cpu", "/ both ways", "/ copying"]
+    assert table["recompute + swap (eager)"] == ["60.0", "1.0", "2.00x", "3.00x", "6.00x"]
+    assert table["SmartSwap"] == ["70.0", "1.0", "2.00x", "3.50x", "7.00x"]
+    assert table["torch save_on_cpu (copying)"] == ["10.0", "1.0", "2.00x", "-", "-"]
+    assert "no swap" not in table  # the reference: 0 by definition
+
+
+def test_smartswap_rows_print_as_one_short_table_per_section():
+    from swap_pass.bench.report import _extra_lines
+    from swap_pass.bench.run import _extra_row
+
+    overhead = [{"name": name, "clock": "cpu", "step_ms": ms, "ratio_vs_none": vs_none,
+                 "ratio_vs_torch_profiler": vs_torch}
+                for name, ms, vs_none, vs_torch in [("none", 100.0, 1.0, 0.96),
+                                                    ("smart.lightweight_profiler", 102.0, 1.02, 0.98),
+                                                    ("torch.profiler(record_shapes)", 104.0, 1.04, 1.0)]]
+    budget = [{"name": "no swap", "peak_bytes": 4 << 20},
+              {"name": "smartswap", "step": 0, "seq": 256, "stage": "warmup", "fell_back": False,
+               "peak_bytes": 1 << 20, "budget_bytes": 1 << 20, "within_budget": True,
+               "swapped_bytes": 3 << 20, "step_ms": 50.0}]
+    dynamic = [{"name": f"varying length, plan_cache_size={size}", "steps": 3, "lengths": [128, 256],
+                "planned": planned, "conservative": 1, "profiling": 1, "over_budget": 0,
+                "max_peak_over_budget": 0.999, "step_ms": 20.0, "plain_step_ms": 16.0,
+                "ratio_vs_none": 1.25, "cache": cache, "kinds": kinds}
+               for size, planned, cache, kinds in [
+                   (8, 1, {"plans": 2, "hits": 1, "misses": 2, "evictions": 0, "derived": 0}, "cPp"),
+                   (0, 1, None, "cPp")]]
+    rows = ([_extra_row("profiler overhead", r) for r in overhead]
+            + [_extra_row("budget", r) for r in budget] + [_extra_row("dynamic", r) for r in dynamic])
+    lines = _extra_lines({"status": "ok", "reason": "", "rows": rows})
+    titles = [i for i, line in enumerate(lines) if line.startswith("SmartSwap")]
+    assert [lines[i].split(" (")[0] for i in titles] == [
+        "SmartSwap profiler overhead", "SmartSwap budget steps", "SmartSwap, varying lengths"]
+    assert "without swap: 4.00 MiB" in lines[titles[1]]
+    tables = [_columns(lines[i + 1:i + 2] + lines[i + 3:j - 1])
+              for i, j in zip(titles, [*titles[1:], len(lines) + 1], strict=True)]
+    assert tables[0]["smart.lightweight_profiler"] == ["102.0", "1.020x", "0.980x"]
+    assert tables[1]["0"] == ["256", "warmup", "no", "1.00", "1.00", "yes", "3.00", "50.0"]
+    assert tables[2]["8"] == ["1", "1", "1", "0", "0.999", "20.0", "16.0", "1.25x", "1/2/0/0", "cPp"]
+    assert tables[2]["0"][-2:] == ["-", "cPp"]
+    assert all(r["data"] in overhead + budget + dynamic for r in rows)  # all of it in --json
+    assert _extra_lines({"status": "skipped", "reason": "--no-smart-rows"})[-1] == (
+        "SmartSwap rows: SKIPPED: --no-smart-rows")
 
 
 def test_profiler_chatter_is_dropped_and_other_output_kept(capfd):

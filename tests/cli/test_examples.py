@@ -17,7 +17,7 @@ import swap_pass
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-# Times are measured, not asserted (docs/results.md, "Examples"): under load a wall-time bound
+# Times are measured, not asserted (docs/results.md, "First commands' run time"): under load a wall-time bound
 # fails for the wrong reason. The timeout only turns a hang into a failure.
 HANG_S = 280  # below pytest-timeout (300 s), so the message names the subprocess
 

@@ -1,9 +1,12 @@
-"""``scripts/host_cost_instructions.py``: a clear exit without valgrind, and the part it counts
-runs every method (the callgrind run itself takes minutes: not here)."""
+"""``scripts/host_cost.py``: every mode runs the bench's own methods and really swaps; the
+instruction count says what to install without valgrind (the callgrind run itself takes
+minutes: not here)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -11,106 +14,143 @@ import pytest
 import torch
 
 import swap_pass
+from swap_pass.bench.host_cost import HostCostModel, minimal_swap
 
 ROOT = Path(__file__).resolve().parents[2]
+EAGER = "recompute + swap (eager)"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("host_cost", ROOT / "scripts" / "host_cost.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _load():
-    return _load_script("host_cost_instructions")
-
-
-def test_without_valgrind_it_says_what_to_install(monkeypatch):
-    script = _load()
-    monkeypatch.delenv(script._CHILD, raising=False)
-    monkeypatch.setattr(shutil, "which", lambda tool: None)
-    monkeypatch.setattr("sys.argv", ["host_cost_instructions.py"])
-    with pytest.raises(SystemExit, match=r"valgrind, callgrind_annotate not found; install valgrind"):
-        script.main()
-
-
-def test_the_counted_steps_swap_every_eager_layer_input_but_the_last():
-    script = _load()
-    before, threads = swap_pass.swap_stats().swap_outs, torch.get_num_threads()
-    try:
-        script._steps(layers=4, steps=1)
-    finally:
-        torch.set_num_threads(threads)
-    # 5 warm-up steps and 2 rounds of 1 step of the eager model, 3 layer inputs swapped in each
-    assert swap_pass.swap_stats().swap_outs - before == 7 * 3
-    assert swap_pass.swap_stats().host_bytes_in_use == 0
-
-
-def test_the_simulated_report_prints_each_event_per_layer_and_its_ratio(capsys):
-    script = _load()
-    events = list(script._SIMULATED)
-    plain = [1000 * (i + 1) for i in range(len(events))]
-    found = {"starmap_next": plain,
-             "filterfalse_next": [n + 40 * (i + 1) for i, n in enumerate(plain)],
-             "dropwhile_next": [n + 10 * (i + 1) for i, n in enumerate(plain)],
-             "takewhile_next": [n + 20 * (i + 1) for i, n in enumerate(plain)]}
-    script._report(found, events, layers=2, steps=1, caches="--I1=32768,8,64")
-    lines = capsys.readouterr().out.splitlines()
-    assert "--I1=32768,8,64" in lines[1]
-    assert len(lines) == 2 + len(events)
-    for i, line in enumerate(lines[2:]):  # per layer: eager over both ways, then over copying
-        assert script._SIMULATED[events[i]] in line and line.endswith("2.00x  4.00x"), line
-
-
-def test_the_instruction_report_gives_eager_over_each_copying_row(capsys):
-    script = _load()
-    found = {"starmap_next": [1000], "filterfalse_next": [1060], "dropwhile_next": [1010],
-             "takewhile_next": [1020]}
-    script._report(found, ["Ir"], layers=1, steps=1, caches="")
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-2:] == ["  eager / save_on_cpu (copying both ways): 3.00x",
-                          "  eager / save_on_cpu (copying): 6.00x"]
-
-
-def _load_gc_script():
-    return _load_script("host_cost_gc")
-
-
-def test_the_gc_script_times_collections_of_the_steps_it_runs_and_only_those():
-    import gc
-
-    script = _load_gc_script()
-    before, callbacks = swap_pass.swap_stats().swap_outs, list(gc.callbacks)
+@pytest.fixture(autouse=True)
+def _threads_kept():
     threads = torch.get_num_threads()
-    try:
-        found = script._measure("eager", layers=4, steps=30, warmup=2)
-    finally:
-        torch.set_num_threads(threads)
-    assert swap_pass.swap_stats().swap_outs - before == 32 * 3  # every step swapped 3 inputs
-    assert swap_pass.swap_stats().host_bytes_in_use == 0
-    assert gc.callbacks == callbacks  # its timer is gone with the run
-    assert len(found["counts"]) == len(found["ms"]) == 3 and found["counts"][0] > 0
-    assert found["us_per_layer"] == pytest.approx(sum(found["ms"]) * 1e3 / 30 / 4)
+    yield
+    torch.set_num_threads(threads)
+    assert swap_pass.swap_stats().host_bytes_in_use == 0  # nothing left on the host
 
 
-def test_the_stage_script_times_every_stage_of_every_swapped_layer():
-    script = _load_script("host_cost_stages")
-    before, threads = swap_pass.swap_stats(), torch.get_num_threads()
+def _swaps() -> tuple[int, int]:
+    stats = swap_pass.swap_stats()
+    return stats.swap_outs, stats.swap_ins
+
+
+def test_the_bare_reference_frees_each_inner_input_and_brings_it_back_exactly():
+    torch.manual_seed(0)
+    plain, swapped = HostCostModel(4), HostCostModel(4)
+    swapped.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    method = minimal_swap(swapped, x)
+    inputs = []
+    handles = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+               for layer in swapped.layers]
     try:
-        medians, added = script.measure(layers=4, steps=3, warmup=1)
+        loss = swapped(x)
+        # recomputed in backward, so checkpoint keeps the inputs: the inner two were freed
+        assert [t.untyped_storage().nbytes() == 0 for t in inputs] == [False, True, True, False]
+        loss.backward()
     finally:
-        torch.set_num_threads(threads)
-    after = swap_pass.swap_stats()
+        method.close()
+        for h in handles:
+            h.remove()
+    plain(x.detach().requires_grad_()).backward()
+    for a, b in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert all(t.untyped_storage().nbytes() > 0 for t in inputs)
+
+
+def test_method_names_take_short_names_and_refuse_unknown_ones(tool):
+    assert tool.method_names("eager,both-ways") == [EAGER, "torch save_on_cpu (copying both ways)"]
+    assert tool.method_names(None) is None
+    with pytest.raises(SystemExit, match=r"methods \['nope'\] are unknown"):
+        tool.method_names("eager,nope")
+
+
+def test_time_mode_is_the_bench_measure_of_the_methods_chosen(tool, tmp_path, capsys,
+                                                            monkeypatch):
+    before, at_reset = _swaps(), []
+    reset = swap_pass.reset
+
+    def reading_reset() -> None:  # the bench's measure resets at its end: read the counts first
+        at_reset.append(_swaps())
+        reset()
+
+    monkeypatch.setattr(swap_pass, "reset", reading_reset)
+    found = tool.run(["time", "--layers", "4", "--steps", "2", "--methods", "eager",
+                      "--json", str(tmp_path / "t.json")])
+    assert list(found["rows"]) == ["no swap", EAGER] and found["rounds"] == 2
+    outs, ins = (a - b for a, b in zip(at_reset[-1], before, strict=True))
+    # 5 warm-up steps and 2 rounds of 2 steps of the eager model, 3 inputs out and back in each
+    assert outs == ins == (5 + 2 * 2) * 3
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert written["meta"]["command"].startswith("python scripts/host_cost.py time --layers 4")
+    assert written["rows"] == found["rows"] and written["meta"]["build"]
+    assert EAGER in capsys.readouterr().out
+
+
+def test_stages_mode_times_every_stage_of_every_swapped_layer(tool):
+    before = _swaps()
+    found = tool.stages_mode(layers=4, steps=3, warmup=1)
+    outs, ins = (a - b for a, b in zip(_swaps(), before, strict=True))
     # 4 steps of the group wrapper (2 of 4 layer inputs: not the first, the caller's, nor the
     # last) and of the eager model (all but the last: the input needs grad, so it may leave):
     # the groups really moved data, out and back.
-    assert after.swap_outs - before.swap_outs == after.swap_ins - before.swap_ins == 4 * (2 + 3)
-    assert after.host_bytes_in_use == 0
-    assert set(medians) == {f"{way}: {stage}" for way, stage in [
-        ("bare", "allocate"), ("bare", "copy out"), ("bare", "free"),
-        ("bare", "re-allocate, copy back"), ("bare", "register the hook"),
-        ("group", "SwapTensors()"), ("group", "swap_to_host"), ("group", "wait_d2h"),
-        ("group", "swap_to_device"), ("group", "wait_h2d"), ("group", "register the hook")]}
-    assert all(us > 0 for us in medians.values())
-    assert list(added) == ["bare", "group", "eager"]
+    assert outs == ins == 4 * (2 + 3)
+    assert set(found["stages_us"]) == {
+        "bare: allocate a host buffer", "bare: copy out", "bare: free",
+        "bare: re-allocate, copy back", "group: SwapTensors([x])", "group: swap_to_host()",
+        "group: wait_d2h()", "group: swap_to_device()", "group: wait_h2d()"}
+    assert all(us > 0 for us in found["stages_us"].values())
+    assert list(found["added_us_per_layer"]) == ["bare", "group", EAGER]
+
+
+def test_calls_mode_counts_what_the_eager_swap_adds(tool):
+    before = _swaps()
+    found = tool.calls_mode(layers=4, steps=1, names=[EAGER])
+    outs, _ = (a - b for a, b in zip(_swaps(), before, strict=True))
+    assert outs == (3 + 1) * 3  # 3 untraced steps and 1 traced one, 3 inputs swapped in each
+    row = found["rows"][EAGER]
+    assert row["bytecodes"] > 100 and row["calls"] > 5
+    assert any(f["where"].startswith("swap_pass/") for f in row["top"])
+
+
+def test_the_counted_steps_swap_every_eager_layer_input_but_the_last(tool):
+    before = _swaps()
+    tool.counted_steps(layers=4, steps=1, names=["no swap", EAGER])
+    # 5 warm-up steps and 2 rounds of 1 step of the eager model, 3 layer inputs swapped in each
+    assert _swaps()[0] - before[0] == 7 * 3
+
+
+def test_without_valgrind_it_says_what_to_install(tool, monkeypatch):
+    monkeypatch.delenv(tool._CHILD, raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match=r"valgrind, callgrind_annotate not found; install"):
+        tool.instructions_mode(layers=2, steps=1)
+
+
+def test_instruction_rows_read_each_swap_row_over_each_copying_row(tool):
+    names = ["no swap", EAGER, "torch save_on_cpu (copying)",
+             "torch save_on_cpu (copying both ways)"]
+    per_step = [1000, 1060, 1010, 1020]  # one layer, 2 x 1 steps
+    found = {symbol: 2 * n for (symbol, _), n in zip(tool._DRIVERS, per_step, strict=True)}
+    rows = tool.instruction_rows(found, names, layers=1, steps=1)["rows"]
+    assert rows[EAGER]["added"] == 60 and rows["no swap"]["per_layer"] == 1000
+    assert rows[EAGER]["over"] == {"torch save_on_cpu (copying both ways)": 3.0,
+                                   "torch save_on_cpu (copying)": 6.0}
+    with pytest.raises(SystemExit, match="callgrind counted nothing"):
+        tool.instruction_rows({}, names, layers=1, steps=1)
+
+
+def test_gc_mode_times_collections_of_the_steps_it_runs_and_only_those(tool):
+    before, callbacks = _swaps(), list(gc.callbacks)
+    found = tool.collections_of(EAGER, layers=4, steps=30, warmup=2)
+    assert _swaps()[0] - before[0] == 32 * 3  # every step swapped 3 inputs
+    assert gc.callbacks == callbacks  # its timer is gone with the run
+    assert len(found["counts"]) == len(found["ms"]) == 3 and found["counts"][0] > 0
+    assert found["us_per_layer"] == pytest.approx(sum(found["ms"]) * 1e3 / 30 / 4)

@@ -1,7 +1,7 @@
 """One rank of the pipeline-parallel test: real ``torch.distributed.pipelining`` on gloo (CPU).
 
 Each rank trains the same 8-layer tiny Llama split into stages, once without swap and once with
-the seed's decorated layers, under Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B, and
+layers carrying MindSpeed's decorators, under Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B, and
 writes what the test asserts on (exact equality, swaps done, nothing pending) to a JSON file.
 """
 

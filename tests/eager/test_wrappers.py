@@ -1,4 +1,4 @@
-"""The seed's decorators on a tiny Llama: exact gradients, real frees, guards before readers."""
+"""MindSpeed's decorators on a tiny Llama: exact gradients, real frees, guards before readers."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def test_generic_enable_on_gpt_model_full_recompute():
 
 
 def test_decorated_layer_spec_full_recompute():
-    """MindSpeed's way: the seed decorators on the layer class, through a layer spec."""
+    """MindSpeed's way: its decorators on the layer class, through a layer spec."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
