@@ -152,6 +152,8 @@ class _StorageEntry:
     alias: torch.Tensor | None = None  # dense, while freed: the copy back's destination
 
 
+_ABSENT = object()  # a storage not seen yet, in _group_by_storage
+
 # One empty uint8 tensor per device, whose new_empty() makes each byte view.
 _EMPTY_BYTES: dict[torch.device, torch.Tensor] = {}
 
@@ -172,23 +174,26 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
 
     A group of one tensor (a layer input) is built by :func:`_one_entry` instead.
     """
-    entries: dict[int, _StorageEntry] = {}
+    entries: dict[int, _StorageEntry | None] = {}  # None: too small, counted
     for t in tensors:
         storage = t.untyped_storage()
         key = storage._cdata
-        e = entries.get(key)
-        if e is None:
+        e = entries.get(key, _ABSENT)
+        if e is _ABSENT:
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
+                if nbytes:
+                    record_skip(SkipReason.TOO_SMALL, nbytes)
+                    entries[key] = None  # counted once per storage
                 continue
             entries[key] = _StorageEntry(storage, key, nbytes, [t], (), nbytes)
-        else:
+        elif e is not None:
             e.tensors.append(t)
     if copy_span:
         for e in entries.values():
-            if not _spans_all(e):
+            if e is not None and not _spans_all(e):
                 _narrow_to_span(e)
-    return list(entries.values())
+    return [e for e in entries.values() if e is not None]
 
 
 def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
@@ -198,6 +203,8 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     storage = tensors[0].untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
+        if nbytes:
+            record_skip(SkipReason.TOO_SMALL, nbytes)
         return []
     e = _StorageEntry(storage, storage._cdata, nbytes, tensors, (), nbytes)
     if _spans_all(e):
