@@ -48,7 +48,9 @@ Note: [Telling saved aliases from kept ones]
     the distinct tensors their saved variables hold over the storage. A saved tensor that also
     has a Python reference of its own (a view the layer both kept and used) counts as kept.
     Anything else is kept: holders the walk cannot see stay on the device, never the reverse
-    (a custom ``autograd.Function`` that keeps a view on ``ctx`` outside ``save_for_backward``,
+    (views packed by saved-tensor hooks, whose packed object is not visible: the user's own
+    identity hooks, ``save_on_cpu`` on a CPU tensor, whose ``.cpu()`` is the tensor itself;
+    a custom ``autograd.Function`` that keeps a view on ``ctx`` outside ``save_for_backward``,
     an in-place op on a view of the input, a reader outside the layer on a branch the roots do
     not reach). The walk runs only when the use count shows a holder beyond the tensors and
     their bases, which the common Transformer layer (normalization first) never has.
@@ -220,6 +222,8 @@ def may_free(tensors: Sequence[torch.Tensor], layer: str, *,
     """
     if not tensors:
         return True
+    if len(tensors) == 1 and not accounted and outside_holders(tensors) <= 0:
+        return True  # the common case: a layer input nothing else holds
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
         by_storage.setdefault(t.untyped_storage()._cdata, []).append(t)
