@@ -76,7 +76,7 @@ import torch
 
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import may_free
+from swap_pass.runtime.ownership import autograd_mark, may_free
 from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
 
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "run_layer"]
@@ -207,16 +207,20 @@ def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> No
 
 
 def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
-                  abandon: bool = True) -> None:
+                  roots: list[torch.Tensor], abandon: bool = True) -> None:
     """Free earlier layers' inputs whose D2H is running (``earlier``, a manager's
-    ``copying_earlier()``); abandon the unguarded ones (if ``abandon``: a later call may still
-    guard them otherwise)."""
+    ``copying_earlier()``) if nothing but autograd holds them (``roots``: where the graph that
+    saved them is reached, see :func:`swap_pass.runtime.ownership.may_free`); abandon the
+    unguarded ones (if ``abandon``: a later call may still guard them otherwise)."""
     for prev, group in earlier:
         guarded = group.guarded
-        if guarded and may_free(group.tensors, prev.name):
-            group.wait_d2h()
-        elif guarded or abandon:
-            prev.wait_swap_in(group)  # cannot be protected: keep the data on the device
+        if guarded:
+            group.wait_copy_out()  # its source is no holder once the copy ran
+            if may_free(group.tensors, prev.name, roots=roots, since=group.entry_mark):
+                group.wait_d2h()
+                continue
+        if guarded or abandon:
+            prev.wait_swap_in(group)  # cannot be protected or held elsewhere: keep it on device
 
 
 def _in_region(hidden_states: torch.Tensor) -> bool:
@@ -292,7 +296,7 @@ def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
 
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
-                        grad_at_entry: bool) -> None:
+                        grad_at_entry: bool, since: int) -> None:
     if grad_at_entry:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
@@ -300,18 +304,20 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         _mark_region_outputs(result, api)
         outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
     earlier = manager.copying_earlier()
+    roots = [*outputs, hidden_states]  # the input last: walked first (Note: [Ownership rule])
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
-        free_previous(earlier, abandon=False)  # the region started waits for the next region
+        free_previous(earlier, roots, abandon=False)  # the region started waits for the next
         return
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
     group = manager.swap_out(claimed, copy_span=True) if claimed else None
     if group is not None:
         group.previous_link = _weak(previous)
+        group.entry_mark = since
     if outputs:
         BackwardGuard(manager, group, previous).attach(outputs)
     elif group is not None:  # guarded by the next call whose input left the region, if any
         _MAYBE_UNGUARDED.add(manager.module_tag)
-    free_previous(earlier)  # its groups are still in "d2h": our swap_out() left them alone
+    free_previous(earlier, roots)  # its groups are still in "d2h": our swap_out() left them alone
 
 
 def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict,
@@ -336,8 +342,9 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         grad_at_entry = torch.is_grad_enabled()
         guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
+        since = autograd_mark()
         result = call(*args, **kwargs)
-        _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry)
+        _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry, since)
         if manager.is_last_layer:
             abandon_unguarded_earlier(manager)
     except BaseException:

@@ -14,6 +14,14 @@ Note: [Copies of an enabled model]
     manager of the same copy shares; so the copy swaps its own blocks, independently of the
     original, and its own ``handle.remove()`` restores it. Copying while a forward's groups are
     still off the device (before its backward) is refused: the groups' data is not part of it.
+
+Note: [Enabling is all or nothing]
+    Every check that can refuse a model runs before anything changes. What can still fail
+    after that (a block whose ``forward`` is a read-only property, a module without an instance
+    ``__dict__``, an interrupt) fails while the blocks are patched one by one: the handle
+    records each change before it is made and reverts them all (the blocks' ``forward``, their
+    ``swap_manager``, the managers' registration, the model's handle) before the error
+    propagates, so the model and ``SwapLayerInputManager.manager_map`` are as before.
 """
 
 from __future__ import annotations
@@ -90,15 +98,34 @@ class SwapLayerInputHandle:
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], config: SwapConfig) -> None:
         self.model = model
-        self.layers = layers
-        tag = f"{_API}:{type(model).__name__}@{id(model):x}"
+        self.layers: list[nn.Module] = []
         self.managers: list[SwapLayerInputManager] = []
-        for layer in layers:
-            manager = SwapLayerInputManager(module_tag=tag, config=config)
-            object.__setattr__(layer, "forward", _SwappedForward(layer, layer.__dict__.get("forward")))
-            object.__setattr__(layer, "swap_manager", manager)
-            self.managers.append(manager)
-        object.__setattr__(model, _HANDLE_ATTR, self)
+        tag = f"{_API}:{type(model).__name__}@{id(model):x}"
+        try:  # all or nothing: see Note: [Enabling is all or nothing]
+            for layer in layers:
+                self._patch(layer, SwapLayerInputManager(module_tag=tag, config=config))
+            object.__setattr__(model, _HANDLE_ATTR, self)
+        except BaseException:
+            self._undo()
+            raise
+
+    def _patch(self, layer: nn.Module, manager: SwapLayerInputManager) -> None:
+        """Give ``layer`` its manager and its shadowing ``forward`` (recorded before each change,
+        so that :meth:`_undo` reverts exactly what happened)."""
+        self.managers.append(manager)
+        self.layers.append(layer)
+        inner = layer.__dict__.get("forward")
+        object.__setattr__(layer, "forward", _SwappedForward(layer, inner))
+        object.__setattr__(layer, "swap_manager", manager)
+
+    def _undo(self) -> None:
+        """Revert every block patched so far and drop the managers (a failed enable)."""
+        for layer in self.layers:
+            _unpatch(layer)
+        for manager in self.managers:
+            manager.unregister()
+        if self.model.__dict__.get(_HANDLE_ATTR) is self:
+            del self.model.__dict__[_HANDLE_ATTR]
 
     @property
     def module_tag(self) -> str:
@@ -119,10 +146,7 @@ class SwapLayerInputHandle:
         if not self.active:
             return
         for layer in self.layers:
-            patched = layer.__dict__.pop("forward", None)
-            if isinstance(patched, _SwappedForward) and patched.inner is not None:
-                layer.__dict__["forward"] = patched.inner
-            layer.__dict__.pop("swap_manager", None)
+            _unpatch(layer)
         for manager in self.managers:
             manager.unregister()
         del self.model.__dict__[_HANDLE_ATTR]
@@ -136,6 +160,16 @@ class SwapLayerInputHandle:
     def __repr__(self) -> str:
         return (f"SwapLayerInputHandle(model={type(self.model).__name__}, "
                 f"layers={len(self.layers)}, active={self.active})")
+
+
+def _unpatch(layer: nn.Module) -> None:
+    """Give ``layer`` back the ``forward`` it had (its own instance attribute, or its class's)."""
+    patched = layer.__dict__.get("forward")
+    if isinstance(patched, _SwappedForward):
+        del layer.__dict__["forward"]
+        if patched.inner is not None:
+            layer.__dict__["forward"] = patched.inner
+    layer.__dict__.pop("swap_manager", None)
 
 
 def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:

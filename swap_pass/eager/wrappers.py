@@ -34,7 +34,8 @@ import torch
 from swap_pass.eager import _protocol
 from swap_pass.eager._layer_io import find_hidden_states, in_backward
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import may_free
+from swap_pass.eager._layer_io import _tensors_in
+from swap_pass.runtime.ownership import autograd_mark, may_free
 from swap_pass.runtime.swap_tensors import SwapTensors
 
 __all__ = [
@@ -163,24 +164,38 @@ def _start_swap_out(manager: SwapLayerInputManager, hidden_states: torch.Tensor)
         return None
     # The layer has not run yet: its entry. FBOverlap detaches every layer input itself.
     claimed = manager.claim([hidden_states], leaves_owned=True)
-    return manager.swap_out(claimed, copy_span=True) if claimed else None
+    if not claimed:
+        return None
+    group = manager.swap_out(claimed, copy_span=True)
+    group.entry_mark = autograd_mark()
+    return group
+
+
+def _layer_graph_in(result: Any) -> Any:
+    """The ``LayerGraph`` (an object with ``.layer`` and ``.layer_input``) returned in ``result``."""
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    return next((item for item in items if hasattr(item, "layer") and hasattr(item, "layer_input")),
+                None)
 
 
 def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: SwapTensors) -> None:
     """Discard ``group`` when the ``LayerGraph`` returned with ``result`` is freed unused."""
-    items = result if isinstance(result, (tuple, list)) else (result,)
-    for item in items:
-        if hasattr(item, "layer") and hasattr(item, "layer_input"):
-            try:
-                weakref.finalize(item, _protocol.discard_if_pending, manager, group)
-            except TypeError:  # a LayerGraph with __slots__ and no __weakref__: no tie
-                pass
-            return
+    item = _layer_graph_in(result)
+    if item is not None:
+        try:
+            weakref.finalize(item, _protocol.discard_if_pending, manager, group)
+        except TypeError:  # a LayerGraph with __slots__ and no __weakref__: no tie
+            pass
 
 
 def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None, result: Any) -> None:
     if group is not None:
-        if not may_free(group.tensors, manager.name):
+        group.wait_copy_out()  # its source is no holder once the copy ran
+        roots = _tensors_in(result) or []
+        graph = _layer_graph_in(result)
+        accounted = [graph.layer_input] if isinstance(getattr(graph, "layer_input", None), torch.Tensor) else []
+        if not may_free(group.tensors, manager.name, roots=roots, since=group.entry_mark,
+                        accounted=accounted):
             manager.wait_swap_in(group)  # another holder is left: keep it on the device
             return
         group.wait_d2h()

@@ -325,6 +325,12 @@ has_side_effect(torch.ops.swap_pass.wait.default)
 def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
     """Complete the copy that produced ``t`` (from ``swap_out`` or ``prefetch``) and return ``t``.
 
+    A ``t`` with no copy pending returns at once, where PyTorch's ``ao.wait_tensor`` raises: a
+    retained graph's second backward runs each ``wait`` again on a tensor whose copy its first
+    backward completed, and ``swap_in`` on a synchronous CPU copy has waited already; both are
+    correct graphs. A pending copy is keyed by ``t``'s data pointer only, so "already waited for"
+    and "never copied" cannot be told apart without holding every produced tensor.
+
     Args:
         t: The output of ``swap_out`` or ``prefetch``.
         keepalive: The copy's source, kept alive in the graph up to this point. Default: ``None``.

@@ -30,7 +30,7 @@ from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers
-from swap_pass.runtime.ownership import may_free, swappable_layer_inputs
+from swap_pass.runtime.ownership import autograd_mark, may_free, swappable_layer_inputs
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
@@ -59,6 +59,7 @@ def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTenso
         return None
     group = SwapTensors([x], config=_config_from_key(config), name=name, copy_span=True)
     group.swap_to_host()
+    group.entry_mark = autograd_mark()
     return group
 
 
@@ -67,7 +68,8 @@ class _ReleaseLayerInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_next, group, earlier):
-        if may_free(group.tensors, group.name):
+        group.wait_copy_out()  # its source is no holder once the copy ran
+        if may_free(group.tensors, group.name, roots=[x_next], since=group.entry_mark):
             group.wait_d2h()
         else:  # another holder is left (Note: [Ownership rule]): keep it on the device
             group.restore()

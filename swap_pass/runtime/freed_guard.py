@@ -23,7 +23,8 @@ still raises.
 
 What it does not cover: C++ readers (autograd's own kernels; they only run after the backward
 guard restored the data), code run under ``torch._C.DisableTorchFunction*``, and other Python
-objects over the same storage made before the swap (a ``.detach()`` or view taken earlier).
+objects over the same storage made before the swap (a ``.detach()`` or view taken earlier;
+the layer-input paths keep such a storage on the device instead: Note: [Ownership rule]).
 """
 
 from __future__ import annotations

@@ -15,10 +15,13 @@ Note: [Ownership rule]
 
     Holders are counted with the storage's use count, which counts every tensor (``TensorImpl``)
     over the storage: a sibling view (``x, y = data.chunk(2)``), the tensor a view was taken
-    from when the caller still holds it, a module buffer. They are counted at the layer's entry,
-    and, for an input that had an outside holder then, again when it is to be freed (after the
-    next layer ran): a storage with any other holder left is never freed: the swap keeps it on
-    the device, counts its bytes (``SwapStats.skipped_shared_bytes``) and warns once per layer.
+    from when the caller still holds it, a module buffer, a ``.detach()``, view or slice that the
+    layer (a monitoring hook, a cache) kept while it ran. They are counted when the storage is to
+    be freed (after the next layer ran), after the copy out is complete (so the copy's own source
+    is gone). Holders beyond the tensors and their bases must each be a tensor autograd saved
+    (Note: [Telling saved aliases from kept ones]); a storage with any other holder is never
+    freed: the swap keeps it on the device, counts its bytes (``SkipReason.SHARED_STORAGE``,
+    ``SwapStats.skipped_shared_bytes``) and warns once per layer.
 
     User data is never freed either, even when nothing else holds the storage: the use count
     cannot see a caller's Python reference to the very tensor the layer received. User data is
@@ -34,21 +37,39 @@ Note: [Ownership rule]
     When the tensors span only part of a storage that nobody else holds (a layer input that is
     a slice of a larger activation), only the bytes they span are copied to the host; the
     storage is freed whole and the span is copied back into it on restore.
+
+Note: [Telling saved aliases from kept ones]
+    Inside a layer, autograd saves views of its input for backward (``F.linear`` on a 3-D input
+    saves a 2-D view of it; ``x.transpose(1, 2) @ w`` saves the transpose): each is a tensor over
+    the input's storage, exactly like a ``.detach()`` a monitoring hook keeps. They are told
+    apart by looking at what autograd saved: from the graph roots the caller passes (the next
+    layer's outputs, or the value entering it), the walk visits the backward nodes made since
+    the layer's entry (autograd's sequence number, read at the entry, bounds it) and collects
+    the distinct tensors their saved variables hold over the storage. A saved tensor that also
+    has a Python reference of its own (a view the layer both kept and used) counts as kept.
+    Anything else is kept: holders the walk cannot see stay on the device, never the reverse
+    (views packed by saved-tensor hooks, whose packed object is not visible: the user's own
+    identity hooks, ``save_on_cpu`` on a CPU tensor, whose ``.cpu()`` is the tensor itself;
+    a custom ``autograd.Function`` that keeps a view on ``ctx`` outside ``save_for_backward``,
+    an in-place op on a view of the input, a reader outside the layer on a branch the roots do
+    not reach). The walk runs only when the use count shows a holder beyond the tensors and
+    their bases, which the common Transformer layer (normalization first) never has.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from swap_pass.runtime.skips import SkipReason, record_skip
 
-__all__ = ["byte_span", "is_user_data", "may_free", "outside_holders", "swappable_layer_inputs"]
+__all__ = ["autograd_mark", "byte_span", "is_user_data", "may_free", "outside_holders", "saved_aliases",
+           "swappable_layer_inputs"]
 
 _use_count = torch._C._storage_Use_Count
 # What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
@@ -83,8 +104,8 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
         t = tensors[0]
         extra = _holders(t) - 1
         return extra if extra <= 0 else extra - _saved_as_output(t)
-    known = {id(t): t for t in tensors}
-    known.update((id(t._base), t._base) for t in tensors if t._base is not None)
+    known = {t._cdata: t for t in tensors}
+    known.update((t._base._cdata, t._base) for t in tensors if t._base is not None)
     extra = _holders(tensors[0]) - len(known)
     if extra <= 0:  # the common case: no saved output to look for
         return extra
@@ -153,55 +174,139 @@ def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str, *,
     """The tensors among a layer's inputs whose storage may leave the device.
 
     Called at the layer's entry, before the layer runs. User data is left out (counted in
-    ``skipped_user_bytes``); a storage with a holder outside the layer input and its base is left
-    out, counted in ``skipped_shared_bytes`` and warned about once per ``layer``.
-    ``leaves_owned``: the caller made its leaves itself and hands them over (FBOverlap runs every
-    layer on a detached copy of the previous output); only the holder count applies then.
+    ``skipped_user_bytes``); other holders of a storage are counted when it is to be freed
+    (:func:`may_free`). ``leaves_owned``: the caller made its leaves itself and hands them over
+    (FBOverlap runs every layer on a detached copy of the previous output); only the holder
+    count applies then.
     """
+    if leaves_owned:
+        return list(tensors)
     keep = []
     for t in tensors:
-        if not leaves_owned and is_user_data(t):
+        if is_user_data(t):
             record_skip(SkipReason.USER_DATA, t.untyped_storage().nbytes(), where=layer)
             continue
-        if outside_holders([t]) > 0:
-            _mark_shared(t)  # checked again when it is to be freed: may_free()
         keep.append(t)
     return keep
 
 
-# Layer inputs that had another holder at their layer's entry (often the caller's own reference
-# to a view the layer received, e.g. through a module hook; it is gone by the time the input is
-# freed). They are freed only if no outside holder is left then.
-# (By id with a weak reference: a WeakSet would compare tensors with ``==``.)
-_shared_at_entry: dict[int, weakref.ref] = {}
+_get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 
-def _mark_shared(t: torch.Tensor) -> None:
-    key = id(t)
-    _shared_at_entry[key] = weakref.ref(t, lambda _, key=key: _shared_at_entry.pop(key, None))
+def autograd_mark() -> int:
+    """The sequence number the next autograd node made on this thread gets: read at a layer's
+    entry, it bounds :func:`may_free`'s walk to the nodes made since (0: no bound known)."""
+    return _get_sequence_nr() if _get_sequence_nr is not None else 0
 
 
-def _was_shared(t: torch.Tensor) -> bool:
-    ref = _shared_at_entry.get(id(t))
-    return ref is not None and ref() is t
-
-
-def may_free(tensors: Sequence[torch.Tensor], layer: str) -> bool:
+def may_free(tensors: Sequence[torch.Tensor], layer: str, *,
+             roots: Sequence[torch.Tensor] = (), since: int = 0,
+             accounted: Sequence[torch.Tensor] = ()) -> bool:
     """At free time: whether a group's layer inputs may leave (Note: [Ownership rule]).
 
-    An input without an outside holder at its layer's entry may (holders that appeared since are
-    the views autograd saved in the layer). One that had such a holder may only if none is left
-    now; otherwise it stays on the device, counted in ``skipped_shared_bytes``, with one warning
-    per ``layer``.
+    Call it once the copy out is complete (its source no longer counts). Every holder of the
+    storage beyond ``tensors`` and their bases must be a tensor autograd saved in the graph
+    reachable from ``roots`` through nodes made since ``since`` (Note: [Telling saved aliases
+    from kept ones]); otherwise the storage stays on the device, counted in
+    ``skipped_shared_bytes``, with one warning per ``layer``.
+
+    Args:
+        tensors: The group's tensors (one storage, or several).
+        layer: The layer's name, for the warning.
+        roots: Tensors whose graph holds the layer's backward (its outputs, the next layer's
+            outputs, or the value entering the next layer). Default: ``()``.
+        since: :func:`autograd_mark` at the layer's entry. Default: ``0``.
+        accounted: Other tensors over the storage whose readers the caller's protocol orders
+            after the restore (FBOverlap's ``LayerGraph.layer_input``, read only by the
+            recompute its backward wrapper restores first). Default: ``()``.
     """
-    if not _shared_at_entry:  # the common case: no layer input had an outside holder
+    if not tensors:
         return True
+    if len(tensors) == 1 and not accounted and outside_holders(tensors) <= 0:
+        return True  # the common case: a layer input nothing else holds
+    by_storage: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
-        if _was_shared(t) and (extra := outside_holders([t])) > 0:
+        by_storage.setdefault(t.untyped_storage()._cdata, []).append(t)
+    for t in accounted:
+        key = t.untyped_storage()._cdata
+        if key in by_storage and all(t._cdata != u._cdata for u in by_storage[key]):
+            by_storage[key].append(t)
+    for group in by_storage.values():
+        extra = outside_holders(group)
+        if extra > 0:
+            extra -= saved_aliases(group, roots, since, enough=extra)
+        if extra > 0:
+            t = group[0]
             record_skip(SkipReason.SHARED_STORAGE, t.untyped_storage().nbytes(), warn=False)
             _warn_shared(layer, t, extra)
             return False
     return True
+
+
+# The walk gives up (what it did not see stays unexplained: the storage is kept) past this many
+# backward nodes: a bound for the torch releases without a sequence number to read.
+_MAX_NODES = 20_000
+
+
+def saved_aliases(tensors: Sequence[torch.Tensor], roots: Sequence[torch.Tensor], since: int,
+                  enough: int | None = None) -> int:
+    """Distinct tensors, other than ``tensors`` and their bases, that autograd saved over their
+    storage in the nodes reachable from ``roots`` and made since ``since``, and that nothing
+    else references from Python (Note: [Telling saved aliases from kept ones]).
+
+    Stops early once ``enough`` are found.
+    """
+    key = tensors[0].untyped_storage()._cdata
+    known = {t._cdata for t in tensors}
+    known.update(t._base._cdata for t in tensors if t._base is not None)
+    found: set[int] = set()
+    stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+    seen: dict[int, object] = {}  # the nodes themselves: their ids stay theirs while we walk
+    while stack and len(seen) < _MAX_NODES:
+        node = stack.pop()
+        if id(node) in seen or node._sequence_nr() < since:
+            continue
+        seen[id(node)] = node
+        _collect_saved(node, key, known, found)
+        if enough is not None and len(found) >= enough:
+            break
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return len(found)
+
+
+def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
+    """Add to ``found`` the saved tensors of ``node`` over storage ``key`` that only autograd holds."""
+    for name in _saved_tensor_names(type(node)):
+        raw = getattr(node, name, None)
+        for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
+            if not isinstance(saved, torch._C._autograd.SavedTensor) or saved.unpack_hook is not None:
+                continue
+            data = saved.data
+            if (data is None or data._cdata in known or data._cdata in found
+                    or data.untyped_storage()._cdata != key):
+                continue
+            if sys.getrefcount(data) <= _SAVED_ALIAS_REFS:  # no Python reference of its own
+                found.add(data._cdata)
+            else:
+                known.add(data._cdata)  # kept by someone: a holder the walk does not explain
+
+
+@functools.cache
+def _saved_tensor_names(node_type: type) -> tuple[str, ...]:
+    """The attributes of a backward node class that hold saved variables."""
+    return tuple(name for name in dir(node_type) if name.startswith("_raw_saved_"))
+
+
+def _measure_saved_alias_refs() -> int:
+    """``sys.getrefcount`` of a saved view that only autograd holds, as :func:`_collect_saved`
+    reads it (the count differs between torch releases: measured, not assumed)."""
+    x = torch.ones(2, 2, requires_grad=True).clone()
+    out = x.view(4).mul(torch.ones(4, requires_grad=True))
+    data = out.grad_fn._raw_saved_self.data
+    return sys.getrefcount(data)
+
+
+_SAVED_ALIAS_REFS = _measure_saved_alias_refs()
 
 
 def _warn_shared(layer: str, t: torch.Tensor, extra: int) -> None:
@@ -212,9 +317,10 @@ def _warn_shared(layer: str, t: torch.Tensor, extra: int) -> None:
     warnings.warn(
         f"swap_pass: the input of {layer} (shape {tuple(t.shape)}, {t.dtype}) shares its storage "
         f"({t.untyped_storage().nbytes()} bytes) with {extra} other live tensor(s) (a sibling "
-        "view, the tensor it was sliced from, a buffer). It stays on the device "
-        "(swap_stats().skipped_shared_bytes counts it). Pass the layer a tensor of its own "
-        "(e.g. a .clone() of the slice) to have it swapped. (Shown once per layer.)",
+        "view, the tensor it was sliced from, a buffer, a .detach() or view of it kept while the "
+        "layers ran). It stays on the device (swap_stats().skipped_shared_bytes counts it). Pass "
+        "the layer a tensor of its own (e.g. a .clone() of the slice) and keep .clone()s rather "
+        "than views of it to have it swapped. (Shown once per layer.)",
         RuntimeWarning,
         stacklevel=4,
     )

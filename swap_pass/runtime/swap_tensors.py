@@ -153,6 +153,8 @@ class _StorageEntry:
     alias: torch.Tensor | None = None  # dense, while freed: the copy back's destination
 
 
+_ABSENT = object()  # a storage not seen yet, in _group_by_storage
+
 # One empty uint8 tensor per device, whose new_empty() makes each byte view.
 _EMPTY_BYTES: dict[torch.device, torch.Tensor] = {}
 
@@ -173,23 +175,26 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
 
     A group of one tensor (a layer input) is built by :func:`_one_entry` instead.
     """
-    entries: dict[int, _StorageEntry] = {}
+    entries: dict[int, _StorageEntry | None] = {}  # None: too small, counted
     for t in tensors:
         storage = t.untyped_storage()
         key = storage._cdata
-        e = entries.get(key)
-        if e is None:
+        e = entries.get(key, _ABSENT)
+        if e is _ABSENT:
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
+                if nbytes:
+                    record_skip(SkipReason.TOO_SMALL, nbytes)
+                    entries[key] = None  # counted once per storage
                 continue
             entries[key] = _StorageEntry(storage, key, nbytes, [t], (), nbytes)
-        else:
+        elif e is not None:
             e.tensors.append(t)
     if copy_span:
         for e in entries.values():
-            if not _spans_all(e):
+            if e is not None and not _spans_all(e):
                 _narrow_to_span(e)
-    return list(entries.values())
+    return [e for e in entries.values() if e is not None]
 
 
 def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> list[_StorageEntry]:
@@ -199,6 +204,8 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     storage = tensors[0].untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
+        if nbytes:
+            record_skip(SkipReason.TOO_SMALL, nbytes)
         return []
     e = _StorageEntry(storage, storage._cdata, nbytes, tensors, (), nbytes)
     if _spans_all(e):
@@ -253,13 +260,16 @@ class SwapTensors:
             backward guard protects it, so it may be freed. Default: ``False``.
         previous_link: Set by the same protocol: a weak reference to the previous layer's group
             of the same micro-batch. Default: a dead link (calling it returns None).
+        entry_mark: Set by the protocol that drives the group: autograd's sequence number at
+            its layer's entry (:func:`swap_pass.runtime.ownership.autograd_mark`), which bounds
+            the ownership check at free time. Default: ``0``.
     """
 
     # A group is made per swapped layer per step: its own attributes live in slots (``__dict__``
     # is made only for attributes a caller adds).
     __slots__ = ("config", "tensors", "name", "device", "stat", "kept_on_device", "guarded",
-                 "previous_link", "_entries", "_nbytes", "_host_nbytes", "_entry_tensors",
-                 "_keys", "_ds", "_pinned", "_event", "__dict__", "__weakref__")
+                 "previous_link", "entry_mark", "_entries", "_nbytes", "_host_nbytes", "_entry_tensors",
+                 "_keys", "_ds", "_pinned", "_event", "_out_waited", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -301,7 +311,9 @@ class SwapTensors:
         self.kept_on_device = False
         self.guarded = False
         self.previous_link: Callable[[], SwapTensors | None] = no_group
+        self.entry_mark = 0
         self._event = None
+        self._out_waited = False  # the compute stream waited for the copy out: wait_copy_out()
 
     def __repr__(self) -> str:
         return (f"SwapTensors(name={self.name!r}, stat={self.stat.value!r}, "
@@ -368,8 +380,9 @@ class SwapTensors:
                     raise _modified_error(self.name, t, v, "between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            _wait_on_compute(ds, self._event)
-            self._event = None
+            if not self._out_waited:
+                _wait_on_compute(ds, self._event)
+            self._event, self._out_waited = None, False
             for e in entries:
                 if e.dense:  # see Note: [Dense copies]
                     e.alias = e.tensors[0].data
@@ -377,6 +390,19 @@ class SwapTensors:
             guard_freed(self._entry_tensors, self)
             stats.record_released(self._nbytes)
         self.stat = HOST
+
+    def wait_copy_out(self) -> None:
+        """Make the compute stream wait for the device-to-host copy; the state stays "d2h".
+
+        For an ownership check before :meth:`wait_d2h` (the copy's source is a holder of the
+        storage until the copy ran); :meth:`wait_d2h` then waits no more. The event stays with
+        the group: a group abandoned from "d2h" hands its buffers back with it.
+        """
+        if self.stat is not D2H:
+            self._expect(D2H, "SwapTensors.wait_copy_out")
+        if not self._out_waited and self._event is not None:
+            _wait_on_compute(self._ds or self._streams(), self._event)
+            self._out_waited = True
 
     def swap_to_device(self, stream: torch.Stream | None = None) -> None:
         """Re-allocate the device storages and start copying the data back ("host" -> "h2d")."""
@@ -537,7 +563,7 @@ class SwapTensors:
     def _abandon_d2h(self) -> None:
         # The copy may still write the buffers: whoever takes them next waits on its event.
         self._release_host_buffers(self._event)
-        self._event = None
+        self._event, self._out_waited = None, False
         self._leave_registry()
         self.kept_on_device = False
         self.stat = DEVICE
