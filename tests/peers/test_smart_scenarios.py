@@ -1,4 +1,4 @@
-"""The peers' scenarios that SmartSwap failed when they were first run against swap_pass: sparse
+"""The peers' scenarios that SmartSwap once failed: sparse
 saved tensors (torchtune, save_on_cpu), entering inside ``disable_saved_tensors_hooks``
 (PyTorch), unreachable budgets (TRL's min offload size taken to zero) and a forward-time
 ``autograd.grad``. Each is exact against the same model without swap."""
@@ -35,10 +35,6 @@ def _xbatches(n=4, shape=(64, 32)):
     return [(torch.randn(*shape, generator=torch.Generator().manual_seed(i)),) for i in range(n)]
 
 
-SMART_FIX = "SmartSwap fix pending on its own branch; remove this mark once it is merged"
-
-
-@pytest.mark.xfail(strict=True, reason=SMART_FIX + " (sparse saved tensors crash the pack hook)")
 def test_sparse_saved_tensor_is_kept_and_counted():
     """torchtune / save_on_cpu with sparse saved tensors: kept on the device, counted."""
     ref, model = twins(SparseMix)
@@ -47,7 +43,6 @@ def test_sparse_saved_tensor_is_kept_and_counted():
     assert swap_pass.swap_stats().skipped_bytes.get("no_storage", 0) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=SMART_FIX + " (a failed __enter__ leaves forward hooks)")
 def test_failed_enter_inside_disabled_hooks_leaves_no_hooks():
     """test_autograd's disable_saved_tensors_hooks: a refused enter leaves the model as before."""
     ref, model = twins(lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)))
@@ -65,7 +60,6 @@ class Squares(nn.Module):
         return ((x + 1) * (x + 1)).sum()
 
 
-@pytest.mark.xfail(strict=True, reason=SMART_FIX + " (an unreachable budget plans nothing)")
 def test_unreachable_budget_still_moves_bytes_in_stable_steps():
     """TRL-style budget of 0 on (x+1)*(x+1): the stable steps still lower what they can."""
     model = Squares()
