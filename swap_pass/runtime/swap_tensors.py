@@ -180,6 +180,7 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
         if e is None:
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
+                _skip_small(nbytes)
                 continue
             entries[key] = _StorageEntry(storage, key, nbytes, [t], (), nbytes)
         else:
@@ -198,6 +199,7 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     storage = tensors[0].untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
+        _skip_small(nbytes)
         return []
     e = _StorageEntry(storage, storage._cdata, nbytes, tensors, (), nbytes)
     if _spans_all(e):
@@ -205,6 +207,12 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     elif copy_span:
         _narrow_to_span(e)
     return [e]
+
+
+def _skip_small(nbytes: int) -> None:
+    """Count a storage below ``SwapConfig.min_swap_bytes`` (one already freed holds nothing)."""
+    if nbytes:
+        record_skip(SkipReason.TOO_SMALL, nbytes, warn=False)
 
 
 def _narrow_to_span(e: _StorageEntry) -> None:
