@@ -47,6 +47,11 @@ def _wrap(setup: str, model, mesh):
     return model
 
 
+def _blocks(inner) -> list:
+    layers = inner.layers
+    return list(layers.values() if hasattr(layers, "values") else layers)
+
+
 def _watch_inputs(inner):
     """Pre-hooks that keep each block's first-forward input, and whether each one's data was off
     the device when the final norm ran (the end of the blocks' forward)."""
@@ -56,7 +61,7 @@ def _watch_inputs(inner):
     seen, freed = [], []
     hooks = [layer.register_forward_pre_hook(
         lambda mod, args: None if in_backward() else seen.append(args[0]))
-        for layer in inner.layers]
+        for layer in _blocks(inner)]
     hooks.append(inner.norm.register_forward_pre_hook(lambda mod, args: freed.append(
         [m.plain_local(x).untyped_storage().nbytes() == 0 for x in seen])))
     return hooks, freed
@@ -68,22 +73,34 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     from tests.distributed import models as m
     swap_pass.reset()
     inner = m.TinyTitan()
+    handle = None
     if swap and setup != "ddp-after":
         handle = swap_pass.enable_swap_layer_input(inner)
     model = _wrap(setup, inner, mesh)
     if swap and setup == "ddp-after":
         handle = swap_pass.enable_swap_layer_input(model)
+    seeds = [step if setup.startswith("tp") else 100 * step + rank for step in range(STEPS)]
+    return train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of)
+
+
+def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
+    """One optimizer step per batch of ``(tokens, labels)``; what :func:`compare` reads.
+
+    ``inner`` is the model whose ``layers`` and ``norm`` are watched and whose parameters are
+    compared (the module inside a DDP wrapper); ``handle`` is the swap handle, or None.
+    """
+    import swap_pass
+
+    from tests.distributed import models as m
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hooks, freed = _watch_inputs(inner)
     rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(STEPS):
-            data_seed = step if setup.startswith("tp") else 100 * step + rank
-            tokens, labels = m.batch(data_seed)
+        for tokens, labels in batches:
             kept = tokens.clone()
             opt.zero_grad(set_to_none=True)
-            loss = m.loss_of(model(tokens), labels)
+            loss = loss_fn(model(tokens), labels)
             loss.backward()
             rec["losses"].append(loss.detach())
             rec["grads"].append(m.state(inner, "grad"))
@@ -91,7 +108,7 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
             stats = swap_pass.swap_stats()
             rec["outs"].append(stats.swap_outs)
             rec["intact"] &= torch.equal(tokens, kept)
-            pending = sum(len(mgr.batch_stack) for mgr in handle.managers) if swap else 0
+            pending = sum(len(mgr.batch_stack) for mgr in handle.managers) if handle else 0
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
@@ -99,12 +116,12 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     rec.update(params=m.state(inner, "data"), freed=freed[0], released=stats.peak_device_bytes_released,
                swapped_in=stats.swapped_in_bytes, skipped=stats.skipped_bytes,
                warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
-    if swap:
+    if handle is not None:
         handle.remove()
     return rec
 
 
-def _compare(ref: dict, got: dict) -> dict:
+def compare(ref: dict, got: dict) -> dict:
     from tests.distributed import models as m
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
@@ -119,7 +136,7 @@ def _compare(ref: dict, got: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _maybe_stream_model():
+def maybe_stream_model():
     """``swap_pass.testing.stream_model`` when the test run asked for it (the environment
     variable reaches the spawned ranks), else nothing."""
     if os.environ.get("SWAP_PASS_STREAM_MODEL", "") in ("", "0"):
@@ -132,19 +149,30 @@ def _maybe_stream_model():
 
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
     """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
+    init(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, mesh, swap))
+
+
+def init(rank: int, world: int, port: int) -> None:
+    """Join the gloo process group of ``world`` ranks on ``port``, one intra-op thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+
+
+def run_setups(rank: int, out_dir: str, setups: list[str], train) -> None:
+    """``train(setup, swap)`` without and with swap for each setup; the comparisons (or the
+    error) go to ``out_dir/rank<r>.json``; the process group is destroyed at the end."""
     report = {}
     try:
         for setup in setups:
             try:
-                ref = _train(setup, rank, mesh, swap=False)
-                with _maybe_stream_model() as model:
-                    got = _train(setup, rank, mesh, swap=True)
-                report[setup] = _compare(ref, got)
+                ref = train(setup, False)
+                with maybe_stream_model() as model:
+                    got = train(setup, True)
+                report[setup] = compare(ref, got)
                 if model is not None:
                     report[setup]["hazards"] = [str(h) for h in model.hazards]
             except Exception:  # reported, so the test names the setup that failed
