@@ -22,7 +22,17 @@ import torch.distributed as dist
 
 STEPS = 3
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
-          "tp-sp-ac", "tp-classic"]
+          "tp-sp-ac", "tp-classic", "docs-recipe"]
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
+
+
+def docs_recipe() -> str:
+    """The code block under ``<!-- recipe: ... -->`` in docs/distributed.md."""
+    import re
+    with open(DOCS) as f:
+        match = re.search(r"<!-- recipe:[^>]*-->\n```python\n(.*?)```", f.read(), re.S)
+    assert match, "docs/distributed.md has no recipe block"
+    return match.group(1)
 
 
 def _wrap(setup: str, model, mesh):
@@ -32,7 +42,7 @@ def _wrap(setup: str, model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
     from tests.distributed import models as m
-    if setup.startswith("tp"):  # torchtitan's order: TP, then AC, then data parallel
+    if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
         m.apply_tp(model, mesh, "classic" if setup == "tp-classic" else "sp")
     if setup.endswith("-ac"):
         for idx, block in enumerate(model.layers):
@@ -74,12 +84,17 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     swap_pass.reset()
     inner = m.TinyTitan()
     handle = None
-    if swap and setup != "ddp-after":
+    if swap and setup not in ("ddp-after", "docs-recipe"):
         handle = swap_pass.enable_swap_layer_input(inner)
     model = _wrap(setup, inner, mesh)
     if swap and setup == "ddp-after":
         handle = swap_pass.enable_swap_layer_input(model)
-    seeds = [step if setup.startswith("tp") else 100 * step + rank for step in range(STEPS)]
+    if swap and setup == "docs-recipe":  # the page's block, as written, on the TP + SP model
+        names = {"model": model}
+        exec(compile(docs_recipe(), DOCS, "exec"), names)  # noqa: S102 - the docs' own code
+        handle = names["handle"]
+    same_data = setup.startswith("tp") or setup == "docs-recipe"  # TP ranks share the batch
+    seeds = [step if same_data else 100 * step + rank for step in range(STEPS)]
     return train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of)
 
 

@@ -1,6 +1,7 @@
 """DDP, FSDP2 and tensor parallel on 2 gloo ranks (CPU), with and without activation checkpointing.
 
-One spawned process pair runs every setup (``dist_worker.SETUPS``); each setup trains three
+One spawned process pair runs every setup (``dist_worker.SETUPS``; ``"docs-recipe"`` enables
+swap with docs/distributed.md's recipe block, as written, on the TP + SP model); each setup trains three
 optimizer steps without and with ``enable_swap_layer_input``. Per rank: losses, every gradient
 of every step and every parameter after the last step equal (``torch.equal``, local shards of
 DTensors), every block's input but the last off the device at the end of forward, the bytes
@@ -33,7 +34,8 @@ def reports(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("setup", dist_worker.SETUPS)
 def test_exact_and_swapped_on_every_rank(reports, setup):
-    per_input = LAYER_INPUT // 2 if setup.startswith("tp-sp") else LAYER_INPUT
+    sp = setup.startswith("tp-sp") or setup == "docs-recipe"
+    per_input = LAYER_INPUT // 2 if sp else LAYER_INPUT
     for rank, report in enumerate(reports):
         res = report[setup]
         assert "error" not in res, res.get("error")
