@@ -23,6 +23,9 @@ import torch.distributed as dist
 STEPS = 3
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
           "tp-sp-ac", "tp-classic", "docs-recipe"]
+# Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
+# swap: in their own process pair (compiling takes most of a minute per setup on 2 cores).
+COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
 
 
@@ -84,7 +87,8 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     swap_pass.reset()
     inner = m.TinyTitan()
     handle = None
-    if swap and setup not in ("ddp-after", "docs-recipe"):
+    compiled = setup.endswith("compile-layers")  # regional compile: swap_pass.compile_layers
+    if swap and not compiled and setup not in ("ddp-after", "docs-recipe"):
         handle = swap_pass.enable_swap_layer_input(inner)
     model = _wrap(setup, inner, mesh)
     if swap and setup == "ddp-after":
@@ -93,6 +97,11 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
         names = {"model": model}
         exec(compile(docs_recipe(), DOCS, "exec"), names)  # noqa: S102 - the docs' own code
         handle = names["handle"]
+    if compiled:  # per-layer compile as torchtitan does it; the reference: the same, no swap
+        import torch._dynamo
+        from swap_pass.graph.regional import compile_layers
+        torch._dynamo.reset()
+        handle = compile_layers(inner, backend="aot_eager", swap=swap).swap
     same_data = setup.startswith("tp") or setup == "docs-recipe"  # TP ranks share the batch
     seeds = [step if same_data else 100 * step + rank for step in range(STEPS)]
     return train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of)

@@ -23,7 +23,7 @@ from tests.distributed import dist_worker  # noqa: E402
 from tests.distributed.spawn import spawn_ranks  # noqa: E402
 from tests.integrations import torchtitan_dist_worker as worker  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 DIM = 256  # the debug model's
 # torchtitan's FSDP mixed-precision policy (installed also when dp_shard is 1) runs the blocks in
 # bfloat16: a layer input is [batch, seq, dim] x 2 bytes.
