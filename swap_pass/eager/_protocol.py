@@ -75,8 +75,8 @@ from typing import Any
 import torch
 
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
-from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime import register_reset_hook, stats
+from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import may_free
 from swap_pass.runtime.skips import warn_once
 from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group

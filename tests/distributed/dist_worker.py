@@ -33,14 +33,16 @@ def docs_recipe() -> str:
     """The code block under ``<!-- recipe: ... -->`` in docs/distributed.md."""
     import re
     with open(DOCS) as f:
-        match = re.search(r"<!-- recipe:[^>]*-->\n```python\n(.*?)```", f.read(), re.S)
+        match = re.search(r"<!-- recipe:[^>]*-->\n```python\n(.*?)```", f.read(), re.DOTALL)
     assert match, "docs/distributed.md has no recipe block"
     return match.group(1)
 
 
 def _wrap(setup: str, model, mesh):
     """Apply ``setup``'s parallelism to ``model``; returns the module to call."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -69,7 +71,6 @@ def _watch_inputs(inner):
     """Pre-hooks that keep each block's first-forward input, and whether each one's data was off
     the device when the final norm ran (the end of the blocks' forward)."""
     from swap_pass.eager._layer_io import in_backward
-
     from tests.distributed import models as m
     seen, freed = [], []
     hooks = [layer.register_forward_pre_hook(
@@ -82,7 +83,6 @@ def _watch_inputs(inner):
 
 def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     import swap_pass
-
     from tests.distributed import models as m
     swap_pass.reset()
     inner = m.TinyTitan()
@@ -99,6 +99,7 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
         handle = names["handle"]
     if compiled:  # per-layer compile as torchtitan does it; the reference: the same, no swap
         import torch._dynamo
+
         from swap_pass.graph.regional import compile_layers
         torch._dynamo.reset()
         handle = compile_layers(inner, backend="aot_eager", swap=swap).swap
@@ -114,7 +115,6 @@ def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
     compared (the module inside a DDP wrapper); ``handle`` is the swap handle, or None.
     """
     import swap_pass
-
     from tests.distributed import models as m
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hooks, freed = _watch_inputs(inner)

@@ -85,9 +85,13 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
     Megatron-style TP without SP, the default ``use_local_output`` everywhere (the embedding's
     all-reduce result reaches the first block as an ``AsyncCollectiveTensor``)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     if style == "sp":
         parallelize_module(model, mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),

@@ -53,7 +53,6 @@ def build(setup: str, world: int = 2) -> torch.nn.Module:
 
 def _train(setup: str, rank: int, swap: bool) -> dict:
     import swap_pass
-
     from tests.distributed import dist_worker, models
     from tests.integrations import torchtitan_cpu as tc
     swap_pass.reset()
@@ -70,7 +69,7 @@ def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> No
     from tests.distributed import dist_worker
     from tests.integrations import torchtitan_cpu as tc
     tc.import_shim()
-    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import parallel_dims
     parallel_dims.device_type = "cpu"  # torchtitan's default is the accelerator's
     dist_worker.init(rank, world, port)
     dist_worker.run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, swap))
