@@ -75,8 +75,10 @@ from typing import Any
 import torch
 
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
+from swap_pass.runtime import register_reset_hook, stats
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import autograd_mark, may_free
+from swap_pass.runtime.skips import warn_once
 from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
 
 __all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "run_layer"]
@@ -88,6 +90,9 @@ _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 # racing thread's clear hides is freed by no one: kept on the device, never read freed.)
 _MAYBE_UNGUARDED: set[str] = set()
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward; see in_backward()
+# Per tag: layer inputs that backward keeps but that stayed on the device since the tag's last
+# layer last ran (Note: [Never a silent step]); only the rare paths write it.
+_MISSED: dict[str, int] = {}
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -276,6 +281,49 @@ def abort_tag(module_tag: str) -> None:
             manager.wait_swap_in(manager.batch_stack[0])
 
 
+# Note: [Never a silent step]
+#     Each input a layer keeps that is not swapped is counted by reason where it is decided
+#     (``swap_stats().skipped_bytes``), with a warning for the reasons that cost a saving. That
+#     still leaves the worst case hard to see: a model enabled for swap whose every step swaps
+#     nothing (each layer input user data, a parameter, a subclass without local data, sparse)
+#     trains exactly, without error, and saves nothing. So when a tag's last layer runs, the
+#     inputs its layers kept for backward but that the claim at their entry refused since the
+#     last layer last ran are compared with its layers (all but the last swap): when at most
+#     half of them were swapped, one warning per tag names the counts and the reasons recorded
+#     so far. Only the refusing path writes the count, so a step that swaps every layer pays one
+#     global read at its last layer. Inputs under ``SwapConfig.min_swap_bytes`` (the user's own
+#     threshold) and those host exhaustion or a shared storage kept later are counted by their
+#     reason and not here; the last two warn on their own.
+
+
+def _miss(manager: SwapLayerInputManager) -> None:
+    """A layer input backward keeps stayed on the device (Note: [Never a silent step])."""
+    _MISSED[manager.module_tag] = _MISSED.get(manager.module_tag, 0) + 1
+
+
+def check_step(manager: SwapLayerInputManager) -> None:
+    """The tag's last layer ran: warn once if its step swapped at most half of its layers'
+    inputs (see Note: [Never a silent step])."""
+    missed = _MISSED.pop(manager.module_tag, 0)
+    offered = manager.num_layers - 1
+    if not missed or missed * 2 < offered:
+        return
+    reasons = stats.snapshot().skipped_bytes
+    warn_once("step", manager.module_tag, (
+        f"swap_pass: {manager.module_tag}: a forward kept {missed} layer input(s) on the device "
+        f"that backward needs, of {offered} layers that swap; it swapped "
+        f"{max(offered - missed, 0)}. Bytes not swapped so far, by reason "
+        f"(swap_stats().skipped_bytes): {reasons or 'none recorded'}. See the reasons in "
+        "swap_pass.runtime.skips.SkipReason. (Shown once per model until swap_pass.reset().)"),
+        stacklevel=4)
+
+
+@register_reset_hook
+def forget_missed() -> None:
+    """Drop every tag's count of inputs not swapped (called by :func:`swap_pass.reset`)."""
+    _MISSED.clear()
+
+
 # --- one layer call -------------------------------------------------------------------------
 
 
@@ -309,7 +357,12 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         free_previous(earlier, roots, abandon=False)  # the region started waits for the next
         return
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
-    group = manager.swap_out(claimed, copy_span=True) if claimed else None
+    if claimed:
+        group = manager.swap_out(claimed, copy_span=True)
+    else:
+        group = None
+        if not manager.is_last_layer:  # counted by reason by the claim
+            _miss(manager)
     if group is not None:
         group.previous_link = _weak(previous)
         group.entry_mark = since
@@ -347,6 +400,8 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry, since)
         if manager.is_last_layer:
             abandon_unguarded_earlier(manager)
+            if _MISSED:
+                check_step(manager)
     except BaseException:
         abort_tag(manager.module_tag)
         raise

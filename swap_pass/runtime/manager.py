@@ -28,6 +28,7 @@ import torch
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.subclasses import claim_not_plain
 from swap_pass.runtime.swap_tensors import D2H, DEVICE, HOST, SwapTensors, is_valid_for_swap
 
 __all__ = ["SwapLayerInputManager"]
@@ -225,18 +226,35 @@ class SwapLayerInputManager:
 
     # --- forward side -------------------------------------------------------------------------
 
-    def claim(self, tensors: Iterable[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
+    def claim(self, tensors: list[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
         """The layer inputs that may leave the device, decided at the layer's entry.
 
         See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``: user data and storages
         another live tensor shares stay (counted in :func:`swap_pass.swap_stats`).
         ``leaves_owned``: see :func:`swap_pass.runtime.ownership.swappable_layer_inputs`.
+        A ``DTensor`` or ``AsyncCollectiveTensor`` input gives its local tensor in its place;
+        any other tensor that may not leave is counted by reason (see Note: [Swapping through
+        the local tensor] in ``swap_pass/runtime/subclasses.py``).
         """
         valid = []  # a loop, not a comprehension: most calls pass one tensor
         for t in tensors:
             if is_valid_for_swap(t, self.custom_check_fn):
                 valid.append(t)
+            else:  # the rare path: a wrapper subclass, or a tensor to count as skipped
+                return self._claim_mixed(list(tensors), leaves_owned)
         return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned)
+
+    def _claim_mixed(self, tensors: list[torch.Tensor], leaves_owned: bool) -> list[torch.Tensor]:
+        """:meth:`claim` for inputs of which some are not plain swappable tensors."""
+        valid, local = [], []
+        for t in tensors:
+            if is_valid_for_swap(t, self.custom_check_fn):
+                valid.append(t)
+                continue
+            kept = claim_not_plain(t, self.name, self.custom_check_fn, leaves_owned=leaves_owned)
+            if kept is not None:
+                local.append(kept)
+        return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned) + local
 
     def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
                  copy_span: bool = False) -> SwapTensors:

@@ -183,8 +183,8 @@ def _group_by_storage(tensors: list[torch.Tensor], min_bytes: int,
         if e is _ABSENT:
             nbytes = storage.nbytes()
             if nbytes == 0 or nbytes < min_bytes:  # freed already, or too small to be worth it
+                _skip_small(nbytes)
                 if nbytes:
-                    record_skip(SkipReason.TOO_SMALL, nbytes)
                     entries[key] = None  # counted once per storage
                 continue
             entries[key] = _StorageEntry(storage, key, nbytes, [t], (), nbytes)
@@ -204,8 +204,7 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     storage = tensors[0].untyped_storage()
     nbytes = storage.nbytes()
     if nbytes == 0 or nbytes < min_bytes:
-        if nbytes:
-            record_skip(SkipReason.TOO_SMALL, nbytes)
+        _skip_small(nbytes)
         return []
     e = _StorageEntry(storage, storage._cdata, nbytes, tensors, (), nbytes)
     if _spans_all(e):
@@ -213,6 +212,12 @@ def _one_entry(tensors: list[torch.Tensor], min_bytes: int, copy_span: bool) -> 
     elif copy_span:
         _narrow_to_span(e)
     return [e]
+
+
+def _skip_small(nbytes: int) -> None:
+    """Count a storage below ``SwapConfig.min_swap_bytes`` (one already freed holds nothing)."""
+    if nbytes:
+        record_skip(SkipReason.TOO_SMALL, nbytes, warn=False)
 
 
 def _narrow_to_span(e: _StorageEntry) -> None:

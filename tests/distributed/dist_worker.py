@@ -1,0 +1,208 @@
+"""One rank of the distributed tests: real torch.distributed on gloo (CPU), several setups in one
+process pair (a spawn costs seconds of interpreter start and torch import).
+
+Each setup trains ``TinyTitan`` for ``STEPS`` optimizer steps twice, without and with
+``enable_swap_layer_input``, and writes what the tests assert on to ``rank<r>.json``: losses,
+every gradient of every step and every parameter after the last step compared with
+``torch.equal`` (local shards of DTensors), the layer inputs freed at the end of the first
+forward, bytes swapped and released on this rank, nothing left pending, the user's batch intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
+          "tp-sp-ac", "tp-classic", "docs-recipe"]
+# Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
+# swap: in their own process pair (compiling takes most of a minute per setup on 2 cores).
+COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
+
+
+def docs_recipe() -> str:
+    """The code block under ``<!-- recipe: ... -->`` in docs/distributed.md."""
+    import re
+    with open(DOCS) as f:
+        match = re.search(r"<!-- recipe:[^>]*-->\n```python\n(.*?)```", f.read(), re.DOTALL)
+    assert match, "docs/distributed.md has no recipe block"
+    return match.group(1)
+
+
+def _wrap(setup: str, model, mesh):
+    """Apply ``setup``'s parallelism to ``model``; returns the module to call."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.distributed import models as m
+    if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
+        m.apply_tp(model, mesh, "classic" if setup == "tp-classic" else "sp")
+    if setup.endswith("-ac"):
+        for idx, block in enumerate(model.layers):
+            model.layers[idx] = checkpoint_wrapper(block)
+    if setup.startswith("ddp"):
+        return DistributedDataParallel(model)
+    if setup.startswith("fsdp2"):
+        reshard = setup != "fsdp2-reshard-false"
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def _blocks(inner) -> list:
+    layers = inner.layers
+    return list(layers.values() if hasattr(layers, "values") else layers)
+
+
+def _watch_inputs(inner):
+    """Pre-hooks that keep each block's first-forward input, and whether each one's data was off
+    the device when the final norm ran (the end of the blocks' forward)."""
+    from swap_pass.eager._layer_io import in_backward
+    from tests.distributed import models as m
+    seen, freed = [], []
+    hooks = [layer.register_forward_pre_hook(
+        lambda mod, args: None if in_backward() else seen.append(args[0]))
+        for layer in _blocks(inner)]
+    hooks.append(inner.norm.register_forward_pre_hook(lambda mod, args: freed.append(
+        [m.plain_local(x).untyped_storage().nbytes() == 0 for x in seen])))
+    return hooks, freed
+
+
+def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
+    import swap_pass
+    from tests.distributed import models as m
+    swap_pass.reset()
+    inner = m.TinyTitan()
+    handle = None
+    compiled = setup.endswith("compile-layers")  # regional compile: swap_pass.compile_layers
+    if swap and not compiled and setup not in ("ddp-after", "docs-recipe"):
+        handle = swap_pass.enable_swap_layer_input(inner)
+    model = _wrap(setup, inner, mesh)
+    if swap and setup == "ddp-after":
+        handle = swap_pass.enable_swap_layer_input(model)
+    if swap and setup == "docs-recipe":  # the page's block, as written, on the TP + SP model
+        names = {"model": model}
+        exec(compile(docs_recipe(), DOCS, "exec"), names)  # noqa: S102 - the docs' own code
+        handle = names["handle"]
+    if compiled:  # per-layer compile as torchtitan does it; the reference: the same, no swap
+        import torch._dynamo
+
+        from swap_pass.graph.regional import compile_layers
+        torch._dynamo.reset()
+        handle = compile_layers(inner, backend="aot_eager", swap=swap).swap
+    same_data = setup.startswith("tp") or setup == "docs-recipe"  # TP ranks share the batch
+    seeds = [step if same_data else 100 * step + rank for step in range(STEPS)]
+    return train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of)
+
+
+def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
+    """One optimizer step per batch of ``(tokens, labels)``; what :func:`compare` reads.
+
+    ``inner`` is the model whose ``layers`` and ``norm`` are watched and whose parameters are
+    compared (the module inside a DDP wrapper); ``handle`` is the swap handle, or None.
+    """
+    import swap_pass
+    from tests.distributed import models as m
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooks, freed = _watch_inputs(inner)
+    rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens, labels in batches:
+            kept = tokens.clone()
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(tokens), labels)
+            loss.backward()
+            rec["losses"].append(loss.detach())
+            rec["grads"].append(m.state(inner, "grad"))
+            opt.step()
+            stats = swap_pass.swap_stats()
+            rec["outs"].append(stats.swap_outs)
+            rec["intact"] &= torch.equal(tokens, kept)
+            pending = sum(len(mgr.batch_stack) for mgr in handle.managers) if handle else 0
+            rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
+    for hook in hooks:
+        hook.remove()
+    stats = swap_pass.swap_stats()
+    rec.update(params=m.state(inner, "data"), freed=freed[0], released=stats.peak_device_bytes_released,
+               swapped_in=stats.swapped_in_bytes, skipped=stats.skipped_bytes,
+               warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
+    if handle is not None:
+        handle.remove()
+    return rec
+
+
+def compare(ref: dict, got: dict) -> dict:
+    from tests.distributed import models as m
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
+        "grads_equal": all(m.all_equal(a, b) for a, b in zip(ref["grads"], got["grads"])),
+        "params_equal": m.all_equal(ref["params"], got["params"]),
+        "n_params": len(got["params"]),
+        "ref_outs": ref["outs"][-1], "outs": got["outs"], "freed": got["freed"],
+        "released": got["released"], "swapped_in": got["swapped_in"], "skipped": got["skipped"],
+        "clean": got["clean"], "intact": got["intact"] and ref["intact"],
+        "warnings": got["warnings"],
+    }
+
+
+@contextlib.contextmanager
+def maybe_stream_model():
+    """``swap_pass.testing.stream_model`` when the test run asked for it (the environment
+    variable reaches the spawned ranks), else nothing."""
+    if os.environ.get("SWAP_PASS_STREAM_MODEL", "") in ("", "0"):
+        yield None
+        return
+    from swap_pass.testing import stream_model
+    with stream_model(seed=int(os.environ.get("SWAP_PASS_STREAM_MODEL_SEED", "0"))) as model:
+        yield model
+
+
+def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
+    """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
+    init(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, mesh, swap))
+
+
+def init(rank: int, world: int, port: int) -> None:
+    """Join the gloo process group of ``world`` ranks on ``port``, one intra-op thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def run_setups(rank: int, out_dir: str, setups: list[str], train) -> None:
+    """``train(setup, swap)`` without and with swap for each setup; the comparisons (or the
+    error) go to ``out_dir/rank<r>.json``; the process group is destroyed at the end."""
+    report = {}
+    try:
+        for setup in setups:
+            try:
+                ref = train(setup, False)
+                with maybe_stream_model() as model:
+                    got = train(setup, True)
+                report[setup] = compare(ref, got)
+                if model is not None:
+                    report[setup]["hazards"] = [str(h) for h in model.hazards]
+            except Exception:  # reported, so the test names the setup that failed
+                report[setup] = {"error": traceback.format_exc()}
+                print(report[setup]["error"], file=sys.stderr)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""torchtitan's ``parallelize_llama`` on 2 gloo ranks (CPU): FSDP (``dp_shard=2``) and tensor +
+sequence parallel (``tp=2``, DTensor activations between blocks), tensor parallel also with
+torchtitan's full activation checkpointing; one spawned process pair for every setup
+(``torchtitan_dist_worker.SETUPS``).
+
+Per rank: three optimizer steps exact (losses, every gradient, every parameter after the last
+step, ``torch.equal`` on local shards), every block's input but the last off the device at the
+end of forward, bytes released on this rank exactly those inputs' (this rank's sequence shard
+under TP), nothing pending, the batch intact, no warning.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations import torchtitan_cpu as tc
+
+tc.import_shim()
+pytest.importorskip("torchtitan.models.llama3",
+                    reason="torchtitan is not installed (pip install 'swap-pass[torchtitan]')")
+
+from tests.distributed import dist_worker
+from tests.distributed.spawn import spawn_ranks
+from tests.integrations import torchtitan_dist_worker as worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
+DIM = 256  # the debug model's
+# torchtitan's FSDP mixed-precision policy (installed also when dp_shard is 1) runs the blocks in
+# bfloat16: a layer input is [batch, seq, dim] x 2 bytes.
+LAYER_INPUT = tc.BATCH * tc.SEQ * DIM * 2
+SWAPPED = worker.LAYERS - 1
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    return spawn_ranks(worker.run, 2, tmp_path_factory.mktemp("titan"), worker.SETUPS)
+
+
+@pytest.mark.parametrize("setup", worker.SETUPS)
+def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
+    per_input = LAYER_INPUT // 2 if setup.startswith("tp") else LAYER_INPUT
+    for rank, report in enumerate(reports):
+        res = report[setup]
+        assert "error" not in res, res.get("error")
+        assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
+        assert res["ref_outs"] == 0
+        assert res["outs"] == [SWAPPED * (s + 1) for s in range(dist_worker.STEPS)], (rank, res)
+        assert res["freed"] == [True] * SWAPPED + [False], (rank, res)
+        assert res["released"] == SWAPPED * per_input, (rank, res)
+        assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
+        assert res["clean"] and res["intact"], (rank, res)
+        assert res.get("hazards", []) == [], (rank, res)
