@@ -151,21 +151,36 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     """The last matmul-class result computed before ``node``: what a wait or prefetch there must
-    come after.
+    come after. Always a node whose value is one tensor (the ``after`` argument is ``Tensor?``).
 
     Note: [Which tensor a wait or prefetch depends on]
     A matmul's result is an extern kernel's output that every compiler materialises anyway, so
     depending on it pins the wait without changing what Inductor fuses (depending on a pointwise
     intermediate would force it into memory and can change rounding, e.g. FMA contraction).
+    Attention kernels are in ``flop_registry`` too but return tuples (the CUDA ones since torch
+    2.13, the CPU flash kernel since 2.15): for those the ``getitem`` that takes a tensor out of
+    the tuple is the result depended on, never the tuple itself.
     """
-    from torch.utils.flop_counter import flop_registry
-
     cur = node.prev
     while cur.op != "root":
-        if cur.op == "call_function" and getattr(cur.target, "overloadpacket", None) in flop_registry:
+        if _is_compute_result(cur):
             return cur
         cur = cur.prev
     return None
+
+
+def _is_compute_result(node: fx.Node) -> bool:
+    """``node`` is one tensor made by a matmul-class op (directly, or taken out of its tuple)."""
+    import operator
+
+    from torch.utils.flop_counter import flop_registry
+
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    source = node
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+    return source.op == "call_function" and getattr(source.target, "overloadpacket", None) in flop_registry
 
 
 def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node,
