@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,8 @@ import torch
 from torch import fx
 
 __all__ = ["LayerBoundary", "LayerFilter", "find_layer_boundaries", "normalize_fqn"]
+
+log = logging.getLogger(__name__)
 
 LayerFilter = str | type | Sequence[type] | Callable[[str, object], bool] | None
 
@@ -231,12 +234,20 @@ def _check_graph_module(gm: object, api: str) -> None:
 
 
 def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
-                api: str = "find_layer_boundaries") -> list[_Layer]:
-    """Like :func:`find_layer_boundaries`, also returning the nodes (for the passes)."""
+                api: str = "find_layer_boundaries", *, strict: bool = True) -> list[_Layer]:
+    """Like :func:`find_layer_boundaries`, also returning the nodes (for the passes).
+
+    ``strict=False`` (the compile path): a ``layer_filter`` that matches nothing in this graph
+    gives no layers instead of an error, since Dynamo splits a model into several graphs at its
+    graph breaks and only some of them hold layers (e.g. the loss after HF's break).
+    """
     _check_graph_module(gm, api)
     modules = _all_modules(gm)
     fqns = _select_layers(modules, layer_filter)
-    if not fqns and layer_filter is not None:
+    if not fqns and layer_filter is not None and not strict:
+        log.debug("swap_pass.%s: layer_filter=%r matches none of this graph's modules %s",
+                  api, layer_filter, sorted(modules)[:6])
+    elif not fqns and layer_filter is not None:
         raise ValueError(
             f"swap_pass.{api}: layer_filter={layer_filter!r} matched none of the graph's "
             f"{len(modules)} modules (e.g. {sorted(modules)[:6]}). It must match at least one "
