@@ -94,12 +94,21 @@ def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[set, set]:
 
 
 def _swappable_bytes(x: fx.Node | None, saved: set, user_outputs: set,
-                     config: SwapConfig) -> int | None:
-    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``."""
+                     config: SwapConfig, *, hinted: bool = False) -> int | None:
+    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``.
+
+    ``hinted``: symbolic sizes count with their size hints (budget mode, Note: [Planning with
+    symbolic sizes] in budget.py); a size without a hint gives 0.
+    """
     val = None if x is None else _tensor_val(x)
     if val is None or x not in saved or x in user_outputs or x.op == "placeholder":
         return None
     nbytes = val.numel() * val.element_size() if _static(val.shape) else None
+    if nbytes is None and hinted:
+        from swap_pass.graph.budget import hinted_shape
+
+        shape = hinted_shape(val)
+        nbytes = None if shape is None else int(torch.Size(shape).numel()) * val.element_size()
     if nbytes == 0 or (nbytes is not None and nbytes < config.min_swap_bytes):
         return None
     if not (_contiguous(val) or (_static(val.shape) and _static(val.stride()))):
@@ -159,14 +168,17 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
 
 
 def _ends_the_graph(fw: fx.GraphModule, last) -> bool:
-    """No compute after ``last``'s nodes in ``fw`` but the graph's output and views of it."""
-    after = False
-    for node in fw.graph.nodes:
-        if node is last.members[-1]:
-            after = True
-        elif after and node.op == "call_function" and not _is_view_op(node):
-            return False
-    return after
+    """Nothing outside ``last`` computes on what it makes: its values only leave the graph."""
+    members = set(last.members)
+    return not any(_computes_on(u, members) for n in last.members for u in n.users)
+
+
+def _computes_on(user: fx.Node, members: set) -> bool:
+    if user in members or user.op == "output":
+        return False
+    if user.op == "call_function" and _is_view_op(user):
+        return any(_computes_on(u, members) for u in user.users)
+    return True
 
 
 def _is_view_op(node: fx.Node) -> bool:
@@ -387,6 +399,15 @@ def _owner(gm: fx.GraphModule, node: fx.Node) -> str:
     return modules[-1][0] if modules else ""
 
 
+def _count_unplanned(nodes) -> None:
+    """Saved tensors of sizes without a hint: never a silent zero (``dynamic_shape``)."""
+    from swap_pass.runtime.skips import SkipReason, record_skip
+
+    for n in nodes:
+        record_skip(SkipReason.DYNAMIC_SHAPE, 0, where="swap_backend (budget mode)",
+                    detail="Its size is data-dependent (unbacked), so budget mode cannot plan it.")
+
+
 def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                        budget: Budget, cost: CostModel, config: SwapConfig | None = None
                        ) -> tuple[list[SwappedTensor], int, int]:
@@ -405,8 +426,10 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     user_outputs, saved = _saved(fw, num_fwd_outputs)
     in_order = dict.fromkeys(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
     # graph order, not set order: ties in the choice then break the same way in every process
-    candidates = [(n, nb) for n in in_order if isinstance(n, fx.Node)
-                  and (nb := _swappable_bytes(n, saved, user_outputs, config))]
+    sizes = {n: _swappable_bytes(n, saved, user_outputs, config, hinted=True)
+             for n in in_order if isinstance(n, fx.Node)}
+    candidates = [(n, nb) for n, nb in sizes.items() if nb]
+    _count_unplanned(n for n, nb in sizes.items() if nb == 0)
     device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
     if device is None:
         return [], 0, 0

@@ -283,3 +283,39 @@ def test_prefetch_and_wait_depend_on_one_tensor_when_attention_returns_a_tuple(
     assert swap_pass.swap_stats().swapped_out_bytes == sum(s.nbytes for s in part.swapped)
     if mode == "budget":  # waits placed anywhere: some follow an attention kernel directly
         assert tuple_deps, "some wait or prefetch should follow an attention kernel's output"
+
+
+# --- dynamic shapes ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # two dynamic-shape compiles of each model
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_budget_mode_plans_with_size_hints_under_dynamic_shapes(dynamic):
+    """Symbolic sizes are planned with their hints (Note: [Planning with symbolic sizes]):
+    ``dynamic=True`` from the first step, and the default's automatic dynamic recompile at the
+    second sequence length, both swap, and every step is bitwise equal to the same compile
+    without swap."""
+    model = tiny_model(3)
+    ref = twin(model)
+    backend = make_swap_backend("aot_eager", memory_budget=0.5, cost_model=FAST)
+    swap_pass.reset()
+    runs = []
+    for m, b in ((model, backend), (ref, "aot_eager")):
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend=b, fullgraph=True, dynamic=dynamic)
+        runs.append([compiled(*batch(m, seq)) for seq in (8, 12)])
+        for loss in runs[-1]:
+            loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    part = backend.partitions[-1]
+    symbolic = [n for n in part.forward.graph.find_nodes(op="placeholder")
+                if isinstance(n.meta.get("val"), torch.Tensor)
+                and not all(isinstance(d, int) for d in n.meta["val"].shape)]
+    assert symbolic, "the last graph should have symbolic sizes"
+    assert part.swapped and part.predicted_peak < part.predicted_peak_without_swap
+    swaps = [n for n in part.forward.graph.nodes if n.target == OPS.swap_out.default]
+    assert len(swaps) == len(part.swapped)
+    assert swap_pass.swap_stats().host_bytes_in_use == 0
