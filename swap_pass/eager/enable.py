@@ -63,27 +63,34 @@ class _SwappedForward:
         return _protocol.run_layer(layer, call, args, kwargs, _API)
 
 
-def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
-    """The longest ``nn.ModuleList`` or ``nn.ModuleDict`` in ``model`` whose children (two or
-    more) share one class (a ``ModuleDict``'s blocks run in insertion order, as torchtitan's do).
+def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | list[nn.Module]:
+    """The layers of ``model``: the outermost family of two or more same-class blocks under one
+    parent (Note: [The layer family rule] in ``swap_pass/layer_family.py``, the rule the graph
+    passes use too). MoE experts or the Linear modules of an ``nn.Sequential`` MLP are not layers.
+
+    Returns:
+        The ``nn.ModuleList`` or ``nn.ModuleDict`` that holds exactly the family (a
+        ``ModuleDict``'s blocks run in insertion order, as torchtitan's do), else the blocks in
+        the order they are registered (named attributes, or a container holding other modules).
 
     Raises:
-        ValueError: No such container exists.
+        ValueError: No such family exists.
     """
-    best: nn.ModuleList | nn.ModuleDict | None = None
-    for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
-            continue
-        classes = {type(child) for child in module.children()}
-        if len(classes) == 1 and (best is None or len(module) > len(best)):
-            best = module
-    if best is None:
+    from swap_pass.layer_family import choose_layer_family
+
+    named = dict(model.named_modules(remove_duplicate=False))
+    names = choose_layer_family({fqn: type(m).__name__ for fqn, m in named.items()})
+    if not names:
         raise ValueError(
             f"swap_pass.{_API}: found no nn.ModuleList or nn.ModuleDict of two or more "
             f"same-class blocks in "
             f"{type(model).__name__}. Pass the Transformer blocks explicitly with layers=[...]."
         )
-    return best
+    blocks = [named[n] for n in names]
+    parent = named[names[0].rpartition(".")[0]]
+    if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and len(parent) == len(blocks):
+        return parent
+    return blocks
 
 
 class SwapLayerInputHandle:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 
 import torch
 from torch import fx
@@ -38,7 +37,7 @@ from swap_pass.graph import ops  # noqa: F401  (registers torch.ops.swap_pass.*)
 from swap_pass.graph.boundaries import LayerFilter, find_layers
 from swap_pass.graph.budget import Budget, CostModel, choose_swaps
 
-__all__ = ["SwappedTensor", "swap_saved_layer_inputs", "swap_within_budget"]
+__all__ = ["SwappedTensor", "swap_saved_layer_inputs", "swap_within_budget", "why_nothing_swapped"]
 
 log = logging.getLogger(__name__)
 _OPS = torch.ops.swap_pass
@@ -95,12 +94,21 @@ def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[set, set]:
 
 
 def _swappable_bytes(x: fx.Node | None, saved: set, user_outputs: set,
-                     config: SwapConfig) -> int | None:
-    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``."""
+                     config: SwapConfig, *, hinted: bool = False) -> int | None:
+    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``.
+
+    ``hinted``: symbolic sizes count with their size hints (budget mode, Note: [Planning with
+    symbolic sizes] in budget.py); a size without a hint gives 0.
+    """
     val = None if x is None else _tensor_val(x)
     if val is None or x not in saved or x in user_outputs or x.op == "placeholder":
         return None
     nbytes = val.numel() * val.element_size() if _static(val.shape) else None
+    if nbytes is None and hinted:
+        from swap_pass.graph.budget import hinted_shape
+
+        shape = hinted_shape(val)
+        nbytes = None if shape is None else int(torch.Size(shape).numel()) * val.element_size()
     if nbytes == 0 or (nbytes is not None and nbytes < config.min_swap_bytes):
         return None
     if not (_contiguous(val) or (_static(val.shape) and _static(val.stride()))):
@@ -126,18 +134,60 @@ class _Planned:
 
 
 def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
-                  config: SwapConfig) -> tuple[list[_Planned], int]:
-    """Saved layer inputs worth swapping, in forward order, and how many layers the graph holds."""
+                  config: SwapConfig) -> tuple[list[_Planned], list]:
+    """Saved layer inputs worth swapping, in forward order, and the graph's layers.
+
+    Every layer's input but the last one's is swapped; the last one's too when nothing after that
+    layer computes in this graph (Note: [Layers across graph breaks]).
+    """
     user_outputs, saved = _saved(fw, num_fwd_outputs)
-    layers = find_layers(fw, layer_filter, api="swap_backend")
+    layers = find_layers(fw, layer_filter, api="swap_backend", strict=False)
+    pairs = list(zip(layers, layers[1:]))
+    if layers and _ends_the_graph(fw, layers[-1]):
+        pairs.append((layers[-1], None))
     picked = []
-    for layer, nxt in zip(layers, layers[1:]):
+    for layer, nxt in pairs:
         nbytes = _swappable_bytes(layer.input, saved, user_outputs, config)
-        if nbytes is not None:
-            anchor = [nxt.input] if nxt.input is not None else []
-            picked.append(_Planned(layer.input, layer.boundary.fqn, nbytes, anchor,
-                                   next_layer=nxt.boundary.fqn))
-    return picked, len(layers)
+        if nbytes is None:
+            continue
+        anchor = [nxt.input] if nxt is not None and nxt.input is not None else []
+        picked.append(_Planned(layer.input, layer.boundary.fqn, nbytes, anchor,
+                               next_layer=nxt.boundary.fqn if nxt is not None else None))
+    return picked, layers
+
+
+# Note: [Layers across graph breaks]
+# With a graph break between layers (a print, a data-dependent branch), Dynamo compiles the layers
+# before the break and those after it as separate graphs. The last layer of the first graph is not
+# the model's last layer: its saved input lives through the whole forward and backward of the
+# next graph, so it is swapped like every other layer input. A layer is the last of the *model*
+# when compute the layers do not own follows it in its graph (the final norm, the head, the
+# loss); when only the graph's output follows, more layers are assumed to follow in another
+# graph. Its H2D copy starts at the top of its graph's backward (which runs right after the next
+# graph's backward), and its D2H wait is placed after the layer's own compute.
+
+
+def _ends_the_graph(fw: fx.GraphModule, last) -> bool:
+    """Nothing outside ``last`` computes on what it makes: its values only leave the graph."""
+    members = set(last.members)
+    return not any(_computes_on(u, members) for n in last.members for u in n.users)
+
+
+def _computes_on(user: fx.Node, members: set) -> bool:
+    if user in members or user.op == "output":
+        return False
+    if user.op == "call_function" and _is_view_op(user):
+        return any(_computes_on(u, members) for u in user.users)
+    return True
+
+
+def _is_view_op(node: fx.Node) -> bool:
+    import operator
+
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -151,21 +201,36 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     """The last matmul-class result computed before ``node``: what a wait or prefetch there must
-    come after.
+    come after. Always a node whose value is one tensor (the ``after`` argument is ``Tensor?``).
 
     Note: [Which tensor a wait or prefetch depends on]
     A matmul's result is an extern kernel's output that every compiler materialises anyway, so
     depending on it pins the wait without changing what Inductor fuses (depending on a pointwise
     intermediate would force it into memory and can change rounding, e.g. FMA contraction).
+    Attention kernels are in ``flop_registry`` too but return tuples (the CUDA ones since torch
+    2.13, the CPU flash kernel since 2.15): for those the ``getitem`` that takes a tensor out of
+    the tuple is the result depended on, never the tuple itself.
     """
-    from torch.utils.flop_counter import flop_registry
-
     cur = node.prev
     while cur.op != "root":
-        if cur.op == "call_function" and getattr(cur.target, "overloadpacket", None) in flop_registry:
+        if _is_compute_result(cur):
             return cur
         cur = cur.prev
     return None
+
+
+def _is_compute_result(node: fx.Node) -> bool:
+    """``node`` is one tensor made by a matmul-class op (directly, or taken out of its tuple)."""
+    import operator
+
+    from torch.utils.flop_counter import flop_registry
+
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    source = node
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+    return source.op == "call_function" and getattr(source.target, "overloadpacket", None) in flop_registry
 
 
 def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node,
@@ -239,6 +304,8 @@ def _pin_after_compute(prefetch: fx.Node, args: tuple) -> None:
 def _prefetch_start(p: _Planned, first: fx.Node, bw_layers: dict, index: dict) -> fx.Node:
     if p.prefetch_before is not None:
         return min([first, p.prefetch_before], key=index.__getitem__)
+    if p.next_layer is None:  # the graph's last layer (Note: [Layers across graph breaks])
+        return next(n for n in first.graph.nodes if n.op != "placeholder")
     nxt = bw_layers.get(p.next_layer)
     return min([first, *(nxt.members if nxt else [])], key=index.__getitem__)
 
@@ -251,7 +318,7 @@ def _rewrite_backward(bw: fx.GraphModule, planned: list[_Planned], layer_filter,
     bw_layers = {}
     if config.prefetch and any(p.prefetch_before is None for p in planned):
         bw_layers = {layer.boundary.fqn: layer
-                     for layer in find_layers(bw, layer_filter, api="swap_backend")}
+                     for layer in find_layers(bw, layer_filter, api="swap_backend", strict=False)}
     for p in planned:
         ph, val = placeholders[p.node.name], p.node.meta["val"]
         _set_val(ph, _host_val(val))
@@ -294,19 +361,35 @@ def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outp
         config: Runtime knobs. Default: ``SwapConfig()``.
 
     Returns:
-        What was swapped, in forward order (empty when the graphs hold no layers). A graph with
-        layers none of whose inputs is saved (e.g. GPT-2: the partitioner saves LayerNorm's
-        output instead) swaps nothing and warns; budget mode swaps any saved tensor.
+        What was swapped, in forward order (empty when the graphs hold no layers, or layers none
+        of whose inputs is saved: e.g. GPT-2, whose partitioner saves LayerNorm's output
+        instead; :func:`why_nothing_swapped` says which, and ``swap_backend`` warns).
     """
     config = config or SwapConfig()
-    planned, num_layers = _layer_inputs(fw, num_fwd_outputs, layer_filter, config)
-    if not planned and num_layers >= 2:
-        warnings.warn(
-            f"swap_pass.swap_backend: the graph holds {num_layers} layers but saves none of their "
-            "inputs for backward, so nothing is swapped (the partitioner saved other tensors, "
-            "e.g. LayerNorm outputs). Use make_swap_backend(memory_budget=...) to swap any saved "
-            "tensor, or checkpoint the layers.", stacklevel=2)
+    planned, _ = _layer_inputs(fw, num_fwd_outputs, layer_filter, config)
     return _apply(fw, bw, planned, layer_filter, config)
+
+
+def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) -> tuple[str, int]:
+    """Why layer-input mode swapped nothing in ``fw``, and the bytes the graph saves for backward."""
+    _, saved = _saved(fw, num_fwd_outputs)
+    nbytes = sum(v.numel() * v.element_size() for n in saved if isinstance(n, fx.Node)
+                 and (v := _tensor_val(n)) is not None and _static(v.shape))
+    layers = find_layers(fw, layer_filter, api="swap_backend", strict=False)
+    if layer_filter is not None and not layers:
+        return f"layer_filter={layer_filter!r} matches none of its modules", nbytes
+    if not layers:
+        return ("it holds no family of repeated layer blocks. If a graph break inside the layer "
+                "loop gave each layer a graph of its own, use swap_pass.compile_layers(model), "
+                "which swaps between layers outside the compiled regions, or remove the break; "
+                "else name the layers with layer_filter"), nbytes
+    if len(layers) == 1:
+        return (f"it holds one layer ({layers[0].boundary.fqn}), the model's last, whose input "
+                "backward needs at once"), nbytes
+    return (f"it holds {len(layers)} layers but saves none of their inputs for backward (the "
+            "partitioner saved other tensors, e.g. LayerNorm outputs). Use "
+            "make_swap_backend(memory_budget=...) to swap any saved tensor, or checkpoint the "
+            "layers"), nbytes
 
 
 def _owner(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -314,6 +397,15 @@ def _owner(gm: fx.GraphModule, node: fx.Node) -> str:
 
     modules = _node_modules(gm, node)
     return modules[-1][0] if modules else ""
+
+
+def _count_unplanned(nodes) -> None:
+    """Saved tensors of sizes without a hint: never a silent zero (``dynamic_shape``)."""
+    from swap_pass.runtime.skips import SkipReason, record_skip
+
+    for n in nodes:
+        record_skip(SkipReason.DYNAMIC_SHAPE, 0, where="swap_backend (budget mode)",
+                    detail="Its size is data-dependent (unbacked), so budget mode cannot plan it.")
 
 
 def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
@@ -334,8 +426,10 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     user_outputs, saved = _saved(fw, num_fwd_outputs)
     in_order = dict.fromkeys(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
     # graph order, not set order: ties in the choice then break the same way in every process
-    candidates = [(n, nb) for n in in_order if isinstance(n, fx.Node)
-                  and (nb := _swappable_bytes(n, saved, user_outputs, config))]
+    sizes = {n: _swappable_bytes(n, saved, user_outputs, config, hinted=True)
+             for n in in_order if isinstance(n, fx.Node)}
+    candidates = [(n, nb) for n, nb in sizes.items() if nb]
+    _count_unplanned(n for n, nb in sizes.items() if nb == 0)
     device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
     if device is None:
         return [], 0, 0

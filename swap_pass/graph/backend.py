@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from swap_pass.graph.boundaries import LayerFilter
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 
 _INNER_NAMES = ("inductor", "aot_eager")
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -69,20 +71,53 @@ class Partition:
                                   for s in self.swapped)])
 
 
+@dataclasses.dataclass
+class _Swapped:
+    """What a backend swapped so far: decides whether a graph that swaps nothing is worth a warning."""
+
+    graphs: int = 0
+    swapped_graphs: int = 0
+
+
+def _report_nothing_swapped(fw: fx.GraphModule, n_out: int, layer_filter: LayerFilter,
+                            seen: _Swapped, where: str) -> None:
+    """Count and warn once (per backend) about a graph that swaps nothing, while no graph of this
+    backend swapped anything; later graphs without layers (the loss after a break) only log."""
+    from swap_pass.graph.aot_pass import why_nothing_swapped
+    from swap_pass.runtime.skips import SkipReason, record_skip, warn_once
+
+    reason, nbytes = why_nothing_swapped(fw, n_out, layer_filter)
+    record_skip(SkipReason.NO_LAYERS, nbytes, where=where, warn=False)
+    if seen.swapped_graphs:
+        _log.debug("swap_pass.swap_backend: a graph swaps nothing: %s", reason)
+        return
+    warn_once(SkipReason.NO_LAYERS.value, where,
+              f"swap_pass.swap_backend: a compiled graph swaps nothing ({nbytes} bytes saved for "
+              f"backward stay on the device; {seen.graphs} graph(s) compiled by this backend, none "
+              f"swapped anything): {reason}. (Shown once per backend until swap_pass.reset().)")
+
+
 def _swap_partition(base: Callable, layer_filter: LayerFilter, config: SwapConfig,
-                    record: list[Partition], budget: Budget | None, cost: CostModel) -> Callable:
+                    record: list[Partition], budget: Budget | None, cost: CostModel,
+                    where: str) -> Callable:
     """Wrap partitioner ``base`` so that its forward/backward pair gets the swap nodes."""
+    seen = _Swapped()
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         fw, bw = base(joint, joint_inputs, **kwargs)
         n_out = kwargs["num_fwd_outputs"]
+        seen.graphs += 1
         if budget is None:
             swapped = swap_saved_layer_inputs(fw, bw, n_out, layer_filter=layer_filter,
                                               config=config)
             record.append(Partition(fw, bw, swapped))
+            if not swapped:
+                _report_nothing_swapped(fw, n_out, layer_filter, seen, where)
+            seen.swapped_graphs += bool(swapped)
             return fw, bw
         swapped, before, after = swap_within_budget(fw, bw, n_out, budget=budget, cost=cost,
                                                     config=config)
+        seen.swapped_graphs += bool(swapped)
         record.append(Partition(fw, bw, swapped, "budget", before, after, budget.bytes_for(before)))
         if after > budget.bytes_for(before):
             warnings.warn(f"swap_pass.swap_backend: memory_budget={budget.value!r} not reached: "
@@ -185,6 +220,31 @@ def _refuse_npu() -> None:
     )
 
 
+def _compiled_autograd_on() -> bool:
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo import config as dynamo_config
+
+    return bool(getattr(dynamo_config, "compiled_autograd", False)
+                or getattr(compiled_autograd, "compiled_autograd_enabled", False))
+
+
+def _refuse_compiled_autograd() -> None:
+    """Note: [Compiled autograd]
+    Compiled autograd traces the backward graphs again, through AOTAutograd, and that retrace
+    refuses custom ops whose output aliases an input (``swap_pass::wait``'s schema is
+    ``Tensor(a) -> Tensor(a)``, so that it can hand back the tensor it waited for without a
+    copy). The swap ops would also be traced into a graph whose order the backward's compiler
+    chooses, not the one this pass planned. So the backend refuses to compile, before any step
+    runs, instead of failing inside the first backward.
+    """
+    if _compiled_autograd_on():
+        raise RuntimeError(
+            "swap_pass.swap_backend: compiled autograd is on (torch._dynamo.config."
+            "compiled_autograd=True or compiled_autograd.enable()), which does not run the swap "
+            "ops of the backward graph (swap_pass::wait aliases its input). Compiled autograd "
+            "must be off while this backend compiles and trains the model.")
+
+
 def _check_inner(inner: object) -> None:
     if inner == "npu":
         _refuse_npu()
@@ -240,9 +300,12 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     record: collections.deque[Partition] = collections.deque(maxlen=16)
     budget = None if memory_budget is None else Budget(memory_budget)
     cost = cost_model or CostModel()
-    partition = _swap_partition(_min_cut, layer_filter, config, record, budget, cost)
+    name = f"swap_backend_{inner if isinstance(inner, str) else 'custom'}"
+    partition = _swap_partition(_min_cut, layer_filter, config, record, budget, cost,
+                                f"{name}@{id(record):x}")
 
     def backend(gm: fx.GraphModule, example_inputs):
+        _refuse_compiled_autograd()
         if inner == "inductor":
             return _compile_inductor(gm, example_inputs, partition,
                                      _partitioner_uuid(layer_filter, config, budget, cost))
@@ -255,7 +318,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
 
     backend.partitions = record
     backend.inner = inner
-    backend.__name__ = f"swap_backend_{inner if isinstance(inner, str) else 'custom'}"
+    backend.__name__ = name
     return backend
 
 

@@ -9,14 +9,16 @@ Works on three kinds of graphs:
   stack as ``meta["fwd_nn_module_stack"]``); the entering tensor of layer ``i`` is the value
   produced outside the layer that layer ``i`` reads and that has the residual stream's shape.
 
-Without ``layer_filter`` the layers are the largest family of same-class modules whose names end
-in an index under one parent (``model.layers.0``, ``model.layers.1``...).
+Without ``layer_filter`` the layers are the outermost family of same-class blocks under one parent
+(``model.layers.0``, ``model.layers.1``...; ``ModuleDict`` keys and named attributes too), the
+rule the eager finder uses (Note: [The layer family rule] in ``swap_pass/layer_family.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
 from collections.abc import Callable, Sequence
 
@@ -24,6 +26,8 @@ import torch
 from torch import fx
 
 __all__ = ["LayerBoundary", "LayerFilter", "find_layer_boundaries", "normalize_fqn"]
+
+log = logging.getLogger(__name__)
 
 LayerFilter = str | type | Sequence[type] | Callable[[str, object], bool] | None
 
@@ -102,22 +106,28 @@ def _subgraph_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, obje
 
 
 def _all_modules(gm: fx.GraphModule) -> dict[str, object]:
+    """Every module a node ran in, in the order they first run (a leaf ``call_module`` brings
+    its own submodules, which hold no node of the graph)."""
     seen: dict[str, object] = {}
     for node in gm.graph.nodes:
         for fqn, cls in _node_modules(gm, node):
             seen.setdefault(fqn, cls)
+        if node.op == "call_module":
+            for name, sub in gm.get_submodule(str(node.target)).named_modules(prefix=str(node.target)):
+                seen.setdefault(name, type(sub))
     return seen
 
 
 def _guess_layers(modules: dict[str, object]) -> list[str]:
-    """The largest family of same-class modules named ``<parent>.<index>``."""
-    families: dict[tuple[str, str], list[str]] = {}
-    for fqn, cls in modules.items():
-        parent, _, last = fqn.rpartition(".")
-        if last.isdigit():
-            families.setdefault((parent, _type_name(cls)), []).append(fqn)
-    best = max(families.values(), key=lambda f: (len(f), -len(f[0])), default=[])
-    return best if len(best) >= 2 else []
+    """The layer family (Note: [The layer family rule] in swap_pass/layer_family.py)."""
+    from swap_pass.layer_family import choose_layer_family
+
+    named = {fqn: _type_name(cls) for fqn, cls in modules.items()}
+    for fqn in list(named):  # a parent no node ran in has no forward: a ModuleList/ModuleDict
+        parent = fqn.rpartition(".")[0]
+        if "." in fqn and parent not in named:
+            named[parent] = "ModuleList"
+    return choose_layer_family(named)
 
 
 def _matches(layer_filter: LayerFilter, fqn: str, cls: object) -> bool:
@@ -137,7 +147,9 @@ def _select_layers(modules: dict[str, object], layer_filter: LayerFilter) -> lis
     else:
         chosen = [f for f, c in modules.items() if _matches(layer_filter, f, c)]
     outer = [f for f in chosen if not any(f.startswith(o + ".") for o in chosen if o != f)]
-    return sorted(outer, key=_index_key)
+    if all(f.rpartition(".")[2].isdigit() for f in outer):
+        return sorted(outer, key=_index_key)
+    return outer  # ModuleDict keys, named attributes: the order they first run in
 
 
 def _index_key(fqn: str) -> tuple:
@@ -222,12 +234,20 @@ def _check_graph_module(gm: object, api: str) -> None:
 
 
 def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
-                api: str = "find_layer_boundaries") -> list[_Layer]:
-    """Like :func:`find_layer_boundaries`, also returning the nodes (for the passes)."""
+                api: str = "find_layer_boundaries", *, strict: bool = True) -> list[_Layer]:
+    """Like :func:`find_layer_boundaries`, also returning the nodes (for the passes).
+
+    ``strict=False`` (the compile path): a ``layer_filter`` that matches nothing in this graph
+    gives no layers instead of an error, since Dynamo splits a model into several graphs at its
+    graph breaks and only some of them hold layers (e.g. the loss after HF's break).
+    """
     _check_graph_module(gm, api)
     modules = _all_modules(gm)
     fqns = _select_layers(modules, layer_filter)
-    if not fqns and layer_filter is not None:
+    if not fqns and layer_filter is not None and not strict:
+        log.debug("swap_pass.%s: layer_filter=%r matches none of this graph's modules %s",
+                  api, layer_filter, sorted(modules)[:6])
+    elif not fqns and layer_filter is not None:
         raise ValueError(
             f"swap_pass.{api}: layer_filter={layer_filter!r} matched none of the graph's "
             f"{len(modules)} modules (e.g. {sorted(modules)[:6]}). It must match at least one "
@@ -275,8 +295,9 @@ def find_layer_boundaries(gm: fx.GraphModule, *, layer_filter: LayerFilter = Non
         gm: A graph from ``torch.fx.symbolic_trace``, Dynamo, ``torch.export`` or AOTAutograd.
         layer_filter: Which modules are the layers: a regex that must ``re.fullmatch`` the module
             name (``r"model\\.layers\\.\\d+"``), a class or tuple of classes, or a callable
-            ``(fqn, cls) -> bool``. ``None`` guesses the largest family of same-class modules
-            named ``<parent>.<index>``. Default: ``None``.
+            ``(fqn, cls) -> bool``. ``None`` picks the outermost family of same-class blocks
+            under one parent (Note: [The layer family rule] in ``swap_pass/layer_family.py``),
+            as ``enable_swap_layer_input`` does. Default: ``None``.
 
     Returns:
         One :class:`LayerBoundary` per layer, in layer order (printable).

@@ -125,11 +125,41 @@ def _val(node: fx.Node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _nbytes(val: torch.Tensor) -> int | None:
+# Note: [Planning with symbolic sizes]
+# Under dynamic shapes (``dynamic=True``, or the automatic dynamic recompile after a second
+# sequence length) sizes are SymInts. Reading them as ints would add guards and specialize the
+# graph, so the plan uses their size hints instead: the sizes of the inputs the graph was compiled
+# for. The same plan serves every later size of that graph; bytes and FLOPs grow together with
+# the sequence length, so which tensors hide their copies barely changes. A size without a hint
+# (data-dependent, unbacked) cannot be planned: that tensor is not a candidate, and is counted
+# under ``swap_stats().skipped_bytes["dynamic_shape"]``.
+
+
+def size_hint(size: object) -> int | None:
+    """``size`` as an int: itself, or a SymInt's hint (``None`` for an unbacked one)."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return int(hint)
     try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, RuntimeError):  # unbacked or symbolic sizes: not planned
+        return int(node.shape_env.size_hint(node.expr))
+    except Exception:  # unbacked: no hint exists
         return None
+
+
+def hinted_shape(val: torch.Tensor) -> list[int] | None:
+    """``val``'s shape with size hints for its symbolic sizes (Note: [Planning with symbolic sizes])."""
+    shape = [size_hint(d) for d in val.shape]
+    return None if any(d is None for d in shape) else shape
+
+
+def _nbytes(val: torch.Tensor) -> int | None:
+    shape = hinted_shape(val)
+    if shape is None:
+        return None
+    return int(torch.Size(shape).numel()) * val.element_size()
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -152,12 +182,21 @@ def _flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
     if node.op != "call_function" or packet not in flop_registry:
         return 0
-    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"),
+    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: _hinted(n.meta.get("val")),
                                                      (node.args, node.kwargs))
     try:
-        return int(flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs))
+        out = torch.utils._pytree.tree_map(_hinted, node.meta.get("val"))
+        return int(flop_registry[packet](*args, out_val=out, **kwargs))
     except Exception:  # symbolic sizes or an exotic overload: no compute counted (conservative)
         return 0
+
+
+def _hinted(val: object) -> object:
+    """A meta tensor with ``val``'s hinted shape: FLOP formulas then give ints, add no guards."""
+    if not isinstance(val, torch.Tensor):
+        return size_hint(val) if isinstance(val, torch.SymInt) else val
+    shape = hinted_shape(val)
+    return val if shape is None else torch.empty(shape, dtype=val.dtype, device="meta")
 
 
 @dataclasses.dataclass

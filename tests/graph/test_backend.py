@@ -206,8 +206,24 @@ def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, de
         assert [s.layer for s in swapped] == [f"model.layers.{i}" for i in range(L - 1)]
     assert swapped and swap_pass.swap_stats().swap_outs == 2 * len(swapped)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    if checkpoint and _PREFETCH_CHANGES_INDUCTOR_FUSION:
+        # docs/graph.md, "Inductor on torch 2.14 and later": the written tolerance, nothing looser
+        far = {name: _rel_diff(grads[name], ref_grads[name]) for name in grads}
+        assert max(far.values()) <= PREFETCH_FUSION_RTOL, far
+        return
     differ = [name for name in grads if not torch.equal(grads[name], ref_grads[name])]
     assert not differ, differ
+
+
+# Torch releases whose Inductor fuses a checkpointed recompute differently once prefetches sit in
+# the backward (docs/graph.md, "Inductor on torch 2.14 and later"), and the written bound on the
+# difference: the largest |a - b| of a gradient, over the largest |b| of that gradient.
+_PREFETCH_CHANGES_INDUCTOR_FUSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+PREFETCH_FUSION_RTOL = 1e-6
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def test_unknown_inner_is_an_error():
