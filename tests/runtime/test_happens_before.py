@@ -263,8 +263,10 @@ def test_dropping_cached_pinned_buffers_returns_pinned_memory(monkeypatch):
     pool.clear()  # pageable only: nothing to return
     assert calls == [1]
     pool.release(pool.acquire(64, pin=False), pinned=True)
-    pool.acquire(100, pin=False, max_host_bytes=120)  # over the cap: cached buffers dropped
+    pool.release(pool.acquire(100, pin=False, max_host_bytes=120))  # over the cap: cache dropped
     assert calls == [1, 1]
+    pool.clear()
+    assert pool.gauges()["host_bytes_in_use"] == 0
 
 
 def test_pinned_memory_is_not_returned_where_the_torch_cannot():
