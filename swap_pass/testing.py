@@ -297,9 +297,6 @@ class _ModelStreams(_device.DeviceStreams):
             dst, src = _byte_view(dst), _byte_view(src)
         self.model.enqueue(stream or self.compute_stream(), dst, src)
 
-    def synchronize_event(self, event) -> None:
-        event.synchronize()
-
     def free_storage(self, storage: torch.UntypedStorage) -> None:
         self.model.freed(storage, self.compute_stream())
         poison_(_byte_view(storage))
