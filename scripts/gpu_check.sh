@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One check on a CUDA machine: install swap_pass, run the accelerator-only tests, the stream
 # races with slowed side streams and one step of each path under TORCH_CUDA_SANITIZER=1, and the
-# llama-8b-layer bench. Finishes in under 15 minutes (each stage has its own time limit).
+# llama-8b-layer bench. Finishes in under 17 minutes (each stage has its own time limit).
 #
 #   scripts/gpu_check.sh [WHEEL_DIR]
 #
@@ -9,6 +9,8 @@
 # scripts/fetch_test_wheels.sh fills one (run it where pip reaches PyPI).
 # Outputs go under $OUT when it is set, else ./gpu_check_out:
 #   env.txt, pytest-accelerator.txt, accelerator-junit.xml, pytest-races.txt, races-junit.xml,
+#   pinned.txt (pinned host bytes after 3 steps and after swap_pass.reset()),
+#   pytest-expandable.txt, expandable-junit.xml,
 #   bench.txt, bench-<preset>.json (+ .png), bench-<preset>-compile.json (+ .png),
 #   bench-megatron.txt, bench-megatron.json, capacity.txt, capacity-<preset>.json,
 #   summary.txt
@@ -66,14 +68,27 @@ tail -n 15 "$OUT/pytest-accelerator.txt"
 if [ "$rc" -eq 0 ]; then summary "pytest -m accelerator: passed"
 else summary "pytest -m accelerator: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
 
-# --- 3b. stream races: torch.cuda._sleep on the side streams before each copy, 64 MiB layer
-# inputs, 3 steps, a second stream (and device); one step per path under the sanitizer (<= 240 s)
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs "$RACES" \
+# --- 3b. stream races: torch.cuda._sleep on the side streams before each copy (or on the compute
+# stream before each producer), 64 MiB layer inputs, 3 steps with and without a synchronize
+# between them, a second stream, two devices interleaved where present, one reduce-overhead
+# compile, pinned bytes after reset(); one step of eager, graph and SmartSwap under the
+# sanitizer (<= 300 s)
+OUT="$OUT" timeout 300 python3 -m pytest -q -p no:cacheprovider -rs "$RACES" \
   --junitxml "$OUT/races-junit.xml" > "$OUT/pytest-races.txt" 2>&1
 rc=$?
 tail -n 15 "$OUT/pytest-races.txt"
 if [ "$rc" -eq 0 ]; then summary "stream races (slowed side streams, TORCH_CUDA_SANITIZER=1): passed"
 else summary "stream races: FAILED (exit $rc; 124 = time limit)"; failed=$((failed + 1)); fi
+[ -f "$OUT/pinned.txt" ] && summary "$(cat "$OUT/pinned.txt")"
+
+# --- 3c. the same races with expandable segments, where a freed block can be unmapped (<= 150 s)
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 150 python3 -m pytest -q -p no:cacheprovider \
+  -rs "$RACES" -k "plain or per_step or interleaved" --junitxml "$OUT/expandable-junit.xml" \
+  > "$OUT/pytest-expandable.txt" 2>&1
+rc=$?
+tail -n 5 "$OUT/pytest-expandable.txt"
+if [ "$rc" -eq 0 ]; then summary "stream races (expandable_segments:True): passed"
+else summary "stream races (expandable_segments:True): FAILED (exit $rc)"; failed=$((failed + 1)); fi
 
 # --- 4. bench, eager rows then compile rows (<= 170 s + 140 s) ----------------------------------
 plot() { python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/$1.png"; }

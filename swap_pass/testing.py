@@ -19,7 +19,39 @@ of a CPU device behaves like an accelerator's instead:
 A reader scheduled before its copy completes therefore reads poison and an exactness test
 fails, the same way for a given seed. A queued copy whose source or destination storage was
 freed before it ran is not performed; it is recorded in :attr:`StreamModel.hazards` (on a device
-it would read or write memory the allocator may have handed out again).
+it would read or write memory the allocator may have handed out again). The queue holds no
+strong reference to what a copy reads or writes: a tensor that dies while its copy is queued
+dies, as it would on a device.
+
+Note: [Happens-before checker]
+Poison shows a consumer that reads too early, in the order the model happened to run things. The
+checker shows every ordering a device may choose: each fake stream keeps a vector clock (one
+counter per stream of the model), a side-stream copy ticks its stream's own counter, an event
+carries a copy of its stream's clock, a stream that waits on an event takes the maximum of both,
+and a host synchronize (``Event.synchronize``, ``Stream.synchronize``) merges the event's clock
+into every stream. Access A happens before access B when B's stream clock has reached A's
+counter. The checker records a race, naming both accesses, when
+
+* a side-stream copy reads or writes a storage that a copy on another stream wrote (or reads a
+  storage another copy writes) and the two are not ordered (host buffer reuse across streams
+  and devices included: the pool's buffers are storages like any other);
+* a side-stream copy is not ordered after the work its device's current compute stream queued
+  before it: the producer of what it reads, and the allocation of what it writes (the copy's
+  stream must have waited on an event of that compute stream recorded since the compute
+  stream's last action the model saw: a record, a wait, a free, or an event recorded on a side
+  stream, after which compute work may follow). This is stricter than a per-storage stamp of
+  the last compute write and needs no dispatch hook;
+* a storage is freed (``DeviceStreams.free_storage``, i.e. ``resize_(0)``) or dies (its last
+  tensor dropped) while a copy that touched it is not ordered before its allocating stream:
+  the caching allocator hands a freed block to the next allocation on that stream at once. The
+  allocating stream is the compute stream that was current where the storage first met the
+  model.
+
+Several fake devices (:meth:`StreamModel.device`), each with a compute stream and two side
+streams, share the one host pool, as several accelerators of one process do. The compute stream
+may be replaced, per thread, by another of the model's streams (:meth:`StreamModel.use_stream`),
+as under ``with torch.cuda.stream(s)``. :attr:`StreamModel.races` lists the races; leaving
+``stream_model(check=True)`` with any raises :class:`StreamRaceError`.
 
 Example::
 
@@ -27,7 +59,7 @@ Example::
 
     with stream_model(seed=0) as model:
         loss = model_under_test(batch); loss.backward()   # exactness checks as usual
-    assert not model.hazards
+    assert not model.hazards   # a race would have raised on leaving the block
 
 The test suite runs entirely under the model with ``SWAP_PASS_STREAM_MODEL=1`` (or pytest's
 ``--stream-model``).
@@ -39,6 +71,7 @@ import contextlib
 import dataclasses
 import random
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -47,7 +80,11 @@ import torch
 from swap_pass.runtime import device as _device
 from swap_pass.runtime.host_pool import host_pool
 
-__all__ = ["ModelEvent", "ModelStream", "StreamModel", "poison_", "stream_model"]
+__all__ = ["ModelEvent", "ModelStream", "StreamModel", "StreamRaceError", "poison_", "stream_model"]
+
+
+class StreamRaceError(AssertionError):
+    """Accesses of two streams (or a copy and a free) that no wait orders, found by the checker."""
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -69,34 +106,70 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _fits(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage still holds every element ``t`` addresses (it may have been freed)."""
-    if t.numel() == 0:
-        return True
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One side of a queued copy, held weakly: the storage, and where the tensor lies in it."""
+
+    storage: weakref.ref
+    key: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Side:
+        s = t.untyped_storage()
+        return cls(weakref.ref(s), s._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                   t.dtype)
+
+    def tensor(self) -> torch.Tensor | None:
+        """The tensor again, or None when its storage died or no longer holds every element."""
+        storage = self.storage()
+        if storage is None:
+            return None
+        if all(self.size):  # not empty: every element must still be there
+            last = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+            if storage.nbytes() < (last + 1) * self.dtype.itemsize:
+                return None
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.offset, self.size, self.stride)
 
 
 @dataclasses.dataclass
 class _Copy:
-    dst: torch.Tensor
-    src: torch.Tensor
+    dst: _Side
+    src: _Side
+    what: str  # how races and hazards name it
     then: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Access:
+    stream: ModelStream
+    clock: int
+    write: bool
+    what: str
+
+
 class ModelStream:
-    """A fake stream of the model. Side streams queue their copies; the compute stream does not.
+    """A fake stream of the model. Side streams queue their copies; compute streams do not.
 
     Args:
         model: The owning :class:`StreamModel`.
-        name: Shown in ``repr`` and in hazards.
-        is_compute: True for the stream that stands for the host's own (synchronous) work.
+        name: Shown in ``repr``, hazards and races.
+        is_compute: True for a stream that stands for the host's own (synchronous) work.
+        device: The fake device's index. Default: ``0``.
     """
 
-    def __init__(self, model: StreamModel, name: str, is_compute: bool = False) -> None:
+    def __init__(self, model: StreamModel, name: str, is_compute: bool = False, device: int = 0) -> None:
         self.model = model
         self.name = name
         self.is_compute = is_compute
+        self.device = device
+        self.index = len(model._all_streams)
+        model._all_streams.append(self)
+        self.clock: dict[int, int] = {self.index: 0}  # the vector clock
         self.queue: deque[_Copy] = deque()
         self.issued = 0  # copies ever queued
         self.done = 0  # copies ever completed
@@ -104,25 +177,55 @@ class ModelStream:
     def __repr__(self) -> str:
         return f"ModelStream({self.name!r}, pending={len(self.queue)})"
 
+    @property
+    def now(self) -> int:
+        """This stream's own counter."""
+        return self.clock[self.index]
+
+    def tick(self) -> int:
+        self.clock[self.index] += 1
+        return self.clock[self.index]
+
+    def has_seen(self, other: ModelStream, counter: int) -> bool:
+        """Whether this stream is ordered after ``other``'s work up to ``counter``."""
+        return other is self or self.clock.get(other.index, 0) >= counter
+
+    def merge(self, clock: dict[int, int]) -> None:
+        for k, v in clock.items():
+            if self.clock.get(k, 0) < v:
+                self.clock[k] = v
+
     def wait_event(self, event: ModelEvent) -> None:
-        """Order later work of this stream after ``event`` (here: complete it now)."""
-        event.synchronize()
+        """Order later work of this stream after ``event`` (and complete its copies now)."""
+        with self.model.lock:
+            self.model.run_until(event.stream, event.position)
+            self.merge(event.clock)
+            if self.is_compute:
+                self.tick()
 
     def synchronize(self) -> None:
-        """Complete every copy queued on this stream."""
+        """Complete every copy queued on this stream (a host synchronize)."""
         with self.model.lock:
             self.model.run_until(self, self.issued)
+            self.model.host_waited(self.clock)
 
     def query(self) -> bool:
         return not self.queue
 
+    def record(self) -> dict[int, int]:
+        """The clock an event recorded now carries (a compute stream ticks first)."""
+        if self.is_compute:
+            self.tick()
+        else:
+            self.model.side_event_recorded(self)
+        return dict(self.clock)
+
 
 class ModelEvent:
-    """A fake event: the position of its stream's queue when it was recorded."""
+    """A fake event: the position of its stream's queue, and its clock, when it was recorded."""
 
     def __init__(self, stream: ModelStream) -> None:
-        self.stream = stream
-        self.position = stream.issued
+        self.record(stream)
 
     def __repr__(self) -> str:
         return f"ModelEvent({self.stream.name!r}, position={self.position})"
@@ -131,37 +234,54 @@ class ModelEvent:
         return self.stream.done >= self.position
 
     def synchronize(self) -> None:
-        """Complete the copies queued on the event's stream before it was recorded."""
+        """Complete the copies queued on the event's stream before it was recorded (host wait)."""
         with self.stream.model.lock:
             self.stream.model.run_until(self.stream, self.position)
+            self.stream.model.host_waited(self.clock)
 
     def record(self, stream: ModelStream | None = None) -> None:
         self.stream = stream or self.stream
-        self.position = self.stream.issued
+        with self.stream.model.lock:
+            self.position = self.stream.issued
+            self.clock = self.stream.record()
+
+
+class _FakeDevice:
+    """One fake device of the model: a compute stream and two side streams."""
+
+    def __init__(self, model: StreamModel, index: int) -> None:
+        suffix = "" if index == 0 else f":{index}"
+        self.index = index
+        self.compute = ModelStream(model, "compute" + suffix, is_compute=True, device=index)
+        self.d2h = ModelStream(model, "d2h" + suffix, device=index)
+        self.h2d = ModelStream(model, "h2d" + suffix, device=index)
+        self.streams: dict[bool, _ModelStreams] = {}
 
 
 class _ModelStreams(_device.DeviceStreams):
     """``DeviceStreams`` of a CPU device under the model: side streams that queue."""
 
-    def __init__(self, model: StreamModel, device: torch.device, use_streams: bool) -> None:
+    def __init__(self, model: StreamModel, fake: _FakeDevice, device: torch.device,
+                 use_streams: bool) -> None:
         super().__init__(device, use_streams=False)
         self.model = model
+        self.fake = fake
         self.is_async = True
         self.use_streams = use_streams
         self.pin_memory = False  # CPU builds cannot pin; the model does not need it
 
     def compute_stream(self) -> ModelStream:
-        return self.model.compute
+        return self.model.current_stream(self.fake.index)
 
     def d2h_stream(self) -> ModelStream:
-        return self.model.d2h if self.use_streams else self.model.compute
+        return self.fake.d2h if self.use_streams else self.compute_stream()
 
     def h2d_stream(self) -> ModelStream:
-        return self.model.h2d if self.use_streams else self.model.compute
+        return self.fake.h2d if self.use_streams else self.compute_stream()
 
     def record_event(self, stream: ModelStream | None) -> ModelEvent:
         self.model.maybe_progress()
-        return ModelEvent(stream or self.model.compute)
+        return ModelEvent(stream or self.compute_stream())
 
     @staticmethod
     def wait(stream, event) -> None:
@@ -172,12 +292,13 @@ class _ModelStreams(_device.DeviceStreams):
     def use(self, stream):
         return contextlib.nullcontext()
 
-    def copy(self, stream, dst, src) -> None:
+    def copy(self, stream, dst, src, pinned: bool = False) -> None:
         if isinstance(dst, torch.UntypedStorage):  # two storages: every byte
             dst, src = _byte_view(dst), _byte_view(src)
-        self.model.enqueue(stream or self.model.compute, dst, src)
+        self.model.enqueue(stream or self.compute_stream(), dst, src)
 
     def free_storage(self, storage: torch.UntypedStorage) -> None:
+        self.model.freed(storage, self.compute_stream())
         poison_(_byte_view(storage))
         storage.resize_(0)
 
@@ -186,8 +307,9 @@ class StreamModel:
     """The state of one :func:`stream_model` activation. See the module docstring.
 
     Attributes:
-        compute, d2h, h2d: The fake compute and side streams.
+        compute, d2h, h2d: The fake compute and side streams of device 0.
         hazards: Descriptions of queued copies that found a storage freed when they ran.
+        races: Descriptions of unordered accesses (see Note: [Happens-before checker]).
         copies_queued: Copies issued on a side stream (the rest ran at once).
         copies_run_early: Queued copies completed at a random point, before anyone waited.
     """
@@ -196,28 +318,101 @@ class StreamModel:
         self.rng = random.Random(seed)
         self.early_probability = early_probability
         self.lock = threading.RLock()
-        self.compute = ModelStream(self, "compute", is_compute=True)
-        self.d2h = ModelStream(self, "d2h")
-        self.h2d = ModelStream(self, "h2d")
+        self._all_streams: list[ModelStream] = []
+        self._devices: list[_FakeDevice] = [_FakeDevice(self, 0)]
+        self._others: list[ModelStream] = []
+        self._local = threading.local()
         self.hazards: list[str] = []
+        self.races: list[str] = []
         self.copies_queued = 0
         self.copies_run_early = 0
-        self._streams: dict[bool, _ModelStreams] = {}
-        self._others: list[ModelStream] = []
+        self._copies = 0
+        # Per storage key: the latest access of each (stream, write) pair; the allocating stream;
+        # the finalizer that checks the storage's death.
+        self._accesses: dict[int, dict[tuple[int, bool], _Access]] = {}
+        self._owner: dict[int, ModelStream] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        # Storages of the host pool's buffers: their death is never a race (a pinned block is
+        # reused only after the copies that used it completed; a pageable copy is synchronous).
+        self._host_keys: set[int] = set()
 
-    def new_stream(self, name: str | None = None) -> ModelStream:
-        """Another side stream (e.g. to issue copies the way a second thread or device would)."""
+    # --- devices and streams ----------------------------------------------------------------
+
+    @property
+    def compute(self) -> ModelStream:
+        return self._devices[0].compute
+
+    @property
+    def d2h(self) -> ModelStream:
+        return self._devices[0].d2h
+
+    @property
+    def h2d(self) -> ModelStream:
+        return self._devices[0].h2d
+
+    def _fake(self, index: int) -> _FakeDevice:
         with self.lock:
-            stream = ModelStream(self, name or f"side{len(self._others)}")
+            while len(self._devices) <= index:
+                self._devices.append(_FakeDevice(self, len(self._devices)))
+            return self._devices[index]
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        """Make fake device ``index`` the current device of this thread (as ``torch.cuda.device``).
+
+        Groups and graph ops started meanwhile use its streams; a group keeps the device it
+        started on."""
+        self._fake(index)
+        previous = getattr(self._local, "device", 0)
+        self._local.device = index
+        try:
+            yield
+        finally:
+            self._local.device = previous
+
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def current_stream(self, device: int) -> ModelStream:
+        """The compute stream of fake device ``device`` in this thread."""
+        current = getattr(self._local, "streams", None)
+        stream = current.get(device) if current else None
+        return stream if stream is not None else self._fake(device).compute
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: ModelStream) -> Iterator[ModelStream]:
+        """Make ``stream`` (one of :meth:`new_stream`'s with ``compute=True``) the current
+        compute stream of its device in this thread, as ``with torch.cuda.stream(s)`` does."""
+        if not stream.is_compute:
+            raise ValueError(f"swap_pass.StreamModel.use_stream: {stream.name} is a side stream. "
+                             "Only a compute stream (new_stream(compute=True)) can be current.")
+        if not hasattr(self._local, "streams"):
+            self._local.streams = {}
+        previous = self._local.streams.get(stream.device)
+        self._local.streams[stream.device] = stream
+        try:
+            yield stream
+        finally:
+            self._local.streams[stream.device] = previous
+
+    def new_stream(self, name: str | None = None, *, device: int | None = None,
+                   compute: bool = False) -> ModelStream:
+        """Another stream: a side stream (copies queue), or with ``compute`` a second compute
+        stream (work runs at once; make it current with :meth:`use_stream`). Default: on the
+        current fake device."""
+        with self.lock:
+            stream = ModelStream(self, name or f"side{len(self._others)}", is_compute=compute,
+                                 device=self.current_device() if device is None else device)
             self._others.append(stream)
             return stream
 
     def streams(self, device: torch.device, use_streams: bool) -> _ModelStreams:
-        """The modelled ``DeviceStreams`` of a CPU device."""
+        """The modelled ``DeviceStreams`` of a CPU device, on this thread's current fake device."""
+        fake = self._fake(self.current_device())
         with self.lock:
-            if use_streams not in self._streams:
-                self._streams[use_streams] = _ModelStreams(self, device, use_streams)
-            return self._streams[use_streams]
+            if use_streams not in fake.streams:
+                fake.streams[use_streams] = _ModelStreams(self, fake, device, use_streams)
+            return fake.streams[use_streams]
 
     def pending(self) -> int:
         """Copies queued and not yet run, on every stream this model made."""
@@ -226,13 +421,18 @@ class StreamModel:
     # --- queueing and running ---------------------------------------------------------------
 
     def enqueue(self, stream: ModelStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)`` on ``stream`` (run it at once on the compute stream)."""
+        """Queue ``dst.copy_(src)`` on ``stream`` (run it at once on a compute stream)."""
         with self.lock:
+            self._copies += 1
+            what = (f"copy #{self._copies} on the {stream.name} stream ({tuple(src.shape)} "
+                    f"{src.dtype} -> {tuple(dst.shape)} {dst.dtype})")
+            c = _Copy(_Side.of(dst), _Side.of(src), what)
+            self._check_copy(stream, c)
             if stream.is_compute:
-                self._run(_Copy(dst, src), stream)
+                self._run(c, stream)
                 return
             poison_(dst)
-            stream.queue.append(_Copy(dst, src))
+            stream.queue.append(c)
             stream.issued += 1
             self.copies_queued += 1
         self.maybe_progress()
@@ -248,6 +448,8 @@ class StreamModel:
         with self.lock:
             for s in self._side_streams():
                 self.run_until(s, s.issued)
+            for s in self._all_streams:
+                self.host_waited(s.clock)
 
     def maybe_progress(self) -> None:
         """At a seeded random point, let the device finish the oldest copy of one stream."""
@@ -267,28 +469,111 @@ class StreamModel:
             else:
                 last.then.append(lambda: poison_(buf))
 
+    # --- the happens-before checker (Note: [Happens-before checker]) ------------------------
+
+    def host_waited(self, clock: dict[int, int]) -> None:
+        """The host waited for work up to ``clock``: every stream's later work is ordered after."""
+        for s in self._all_streams:
+            s.merge(clock)
+
+    def side_event_recorded(self, stream: ModelStream) -> None:
+        """A side stream's copies are done being issued: compute work may follow."""
+        self.current_stream(stream.device).tick()
+
+    def freed(self, storage: torch.UntypedStorage, by: ModelStream) -> None:
+        """``storage`` is freed in place now, on the compute stream ``by``."""
+        with self.lock:
+            key = storage._cdata
+            self._check_release(key, self._owner.get(key, by), "freed (resize_(0))")
+            by.tick()
+
+    def _race(self, first: str, second: str, why: str) -> None:
+        self.races.append(f"{second} is not ordered after {first}: {why}")
+
+    def _check_copy(self, stream: ModelStream, c: _Copy) -> None:
+        compute = self.current_stream(stream.device)
+        if not stream.is_compute and not stream.has_seen(compute, compute.now):
+            self._race(f"the work the {compute.name} stream queued before it (position "
+                       f"{compute.now}: the producer of its source, the allocation of its "
+                       "destination)", c.what,
+                       f"the last {compute.name} event the {stream.name} stream waited on is at "
+                       f"{stream.clock.get(compute.index, 0)}; a producer wait is missing")
+        counter = stream.tick() if not stream.is_compute else stream.now + 1
+        for side, write in ((c.src, False), (c.dst, True)):
+            self._access(side, _Access(stream, counter, write,
+                                       f"the {'write' if write else 'read'} of {c.what}"), compute)
+
+    def _access(self, side: _Side, access: _Access, compute: ModelStream) -> None:
+        key = side.key
+        log = self._accesses.get(key)
+        if log is None:
+            log = self._accesses[key] = {}
+            self._owner[key] = compute
+            storage = side.storage()
+            if storage is not None and key not in self._host_keys:
+                self._finalizers[key] = weakref.finalize(storage, self._died, key)
+        for prior in log.values():
+            if prior.stream is not access.stream and (prior.write or access.write) \
+                    and not access.stream.has_seen(prior.stream, prior.clock):
+                self._race(prior.what, access.what,
+                           f"the {access.stream.name} stream never waited on an event of the "
+                           f"{prior.stream.name} stream recorded after it")
+        log[(access.stream.index, access.write)] = access
+
+    def _check_release(self, key: int, owner: ModelStream, how: str) -> None:
+        for prior in self._accesses.pop(key, {}).values():
+            if prior.stream is not owner and not owner.has_seen(prior.stream, prior.clock):
+                self._race(prior.what, f"the storage {how} for reuse on its allocating stream "
+                           f"{owner.name}", f"{owner.name} never waited on an event of the "
+                           f"{prior.stream.name} stream recorded after the copy")
+        self._owner.pop(key, None)
+        fin = self._finalizers.pop(key, None)
+        if fin is not None:
+            fin.detach()
+
+    def _died(self, key: int) -> None:
+        with self.lock:
+            self._finalizers.pop(key, None)
+            owner = self._owner.get(key)
+            if owner is not None:
+                self._check_release(key, owner, "died (its last tensor dropped)")
+
+    def host_buffer_allocated(self, buf: torch.Tensor) -> None:
+        """The host pool made ``buf``: a host buffer, not device memory."""
+        with self.lock:
+            self._host_keys.add(buf.untyped_storage()._cdata)
+
+    def close(self) -> None:
+        """Stop watching storages (called on leaving :func:`stream_model`)."""
+        with self.lock:
+            for fin in self._finalizers.values():
+                fin.detach()
+            self._finalizers.clear()
+            self._accesses.clear()
+            self._owner.clear()
+            self._host_keys.clear()
+
     # --- internals --------------------------------------------------------------------------
 
     def _side_streams(self) -> list[ModelStream]:
-        return [self.d2h, self.h2d, *self._others]
+        return [s for s in self._all_streams if not s.is_compute]
 
     def _last_copy_touching(self, buf: torch.Tensor) -> _Copy | None:
         key = buf.untyped_storage()._cdata
         for s in self._side_streams():
             for c in reversed(s.queue):
-                if key in (c.dst.untyped_storage()._cdata, c.src.untyped_storage()._cdata):
+                if key in (c.dst.key, c.src.key):
                     return c
         return None
 
     def _run(self, c: _Copy, stream: ModelStream) -> None:
-        bad = [n for n, t in (("source", c.src), ("destination", c.dst)) if not _fits(t)]
+        dst, src = c.dst.tensor(), c.src.tensor()
+        bad = [n for n, t in (("source", src), ("destination", dst)) if t is None]
         if bad:
-            self.hazards.append(
-                f"a copy on the {stream.name} stream ran after its {' and '.join(bad)} storage "
-                f"was freed (shape {tuple(c.dst.shape)}, {c.dst.dtype})")
+            self.hazards.append(f"{c.what} ran after its {' and '.join(bad)} storage was freed")
         else:
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                c.dst.copy_(c.src)
+                dst.copy_(src)
         for fn in c.then:
             fn()
 
@@ -297,13 +582,17 @@ _active_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def stream_model(seed: int = 0, early_probability: float = 0.25) -> Iterator[StreamModel]:
+def stream_model(seed: int = 0, early_probability: float = 0.25,
+                 check: bool = True) -> Iterator[StreamModel]:
     """Make CPU ``device_streams`` behave like an asynchronous device while active.
 
     Args:
         seed: Seeds the points at which queued copies complete early. Default: ``0``.
         early_probability: Chance, at each queue, record or wait, that the device finishes the
             oldest copy of one stream. ``0`` runs copies only when waited for. Default: ``0.25``.
+        check: Raise :class:`StreamRaceError` on leaving when the happens-before checker found
+            races (see Note: [Happens-before checker]); with False they are only listed in
+            ``model.races``. Default: ``True``.
 
     Yields:
         The :class:`StreamModel`; its ``hazards`` list what went wrong beyond poisoned reads.
@@ -320,10 +609,18 @@ def stream_model(seed: int = 0, early_probability: float = 0.25) -> Iterator[Str
         model = StreamModel(seed, early_probability)
         _device._cpu_model = model
         host_pool().on_release = model.host_buffer_released
+        host_pool().on_allocate = model.host_buffer_allocated
+    ok = False
     try:
         yield model
+        ok = True
     finally:
         model.synchronize()
+        model.close()
         with _active_lock:
             _device._cpu_model = None
             host_pool().on_release = None
+            host_pool().on_allocate = None
+    if ok and check and model.races:
+        raise StreamRaceError(f"swap_pass.stream_model: {len(model.races)} race(s) found:\n- "
+                              + "\n- ".join(dict.fromkeys(model.races)))

@@ -136,11 +136,13 @@ def _unrelease(key: int) -> None:
 
 
 def _output_died(key: int, transfer: _Transfer) -> None:
-    """A prefetched tensor died before anyone waited for it: give its host buffer back."""
+    """A prefetched tensor died before anyone waited for it: order its allocating stream after
+    the copy that still writes its memory, and give its host buffer back."""
     with _lock:
         if _transfers.get(key) is not transfer:
             return
         del _transfers[key]
+    _order_compute_after(transfer)
     if transfer.release is not None:  # the copy may still read it: its event goes with it
         host_pool().release_when_unread(transfer.release, transfer.event)  # lock-free
 
@@ -155,11 +157,20 @@ def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
 
 
+def _order_compute_after(transfer: _Transfer) -> None:
+    """Make the compute stream wait for ``transfer``'s copy (a stream wait, no host sync): its
+    destination may be freed now, and the allocator hands freed memory to the compute stream's
+    next allocation at once."""
+    ds = device_streams(transfer.device, transfer.use_streams)
+    ds.wait(ds.compute_stream(), transfer.event)
+
+
 @register_reset_hook
 def _reset_pending() -> None:
     with _lock:
         dropped = sum(_host_bytes.values())
-        held = [t.release for t in _transfers.values() if t.release is not None]
+        pending = list(_transfers.values())
+        held = [(t.release, t.event) for t in pending if t.release is not None]
         released = sum(_released.values())
         _host_bytes.clear()
         _transfers.clear()
@@ -168,8 +179,10 @@ def _reset_pending() -> None:
         stats.record_released(-released)
     if dropped:
         host_pool().forget(dropped)
-    for buf in held:
-        host_pool().release(buf)
+    for transfer in pending:  # their outputs may die any time now: see _output_died
+        _order_compute_after(transfer)
+    for buf, event in held:
+        host_pool().release(buf, event)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -177,6 +190,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # --- swap_out ---------------------------------------------------------------------------------
+
+# Note: [Never inside a CUDA graph]
+# The four ops touch host buffers taken from the pool at run time and side streams: captured
+# into a CUDA graph, each replay would copy to and from the host address of the capture, which
+# the pool has given to another tensor since. Under ``mode="reduce-overhead"`` Inductor without
+# graph partition captures no graph that has a CPU tensor (the host copies are ones): it logs
+# "skipping cudagraphs due to cpu device" and runs the graph uncaptured. With graph partition
+# (``torch._inductor.config.graph_partition``), ``torch.Tag.cudagraph_unsafe`` (where the torch
+# has it) makes each of these ops a partition boundary, never inside a captured partition.
+_UNSAFE_IN_CUDA_GRAPHS = ((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe")
+                          else ())
+
 
 
 # Note: [swap_out's input layout]
@@ -191,7 +216,7 @@ def _nbytes(t: torch.Tensor) -> int:
 # a RoPE'd query), which changes the saved value in the last bits. ``needs_fixed_stride_order``
 # makes Inductor give the input its traced stride order, as for a graph output.
 @torch.library.custom_op("swap_pass::swap_out", mutates_args=(),
-                         tags=(torch.Tag.needs_fixed_stride_order,))
+                         tags=(torch.Tag.needs_fixed_stride_order, *_UNSAFE_IN_CUDA_GRAPHS))
 def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
     """Start copying ``x`` to a pooled host buffer on the device-to-host stream.
 
@@ -211,7 +236,7 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     stream = ds.d2h_stream()
     ds.wait(stream, ready)
     ds.wait(stream, last_copy)  # the buffer's last copy, if still running
-    ds.copy(stream, host, x)
+    ds.copy(stream, host, x, pinned=ds.pin_memory)
     with _lock:
         _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
     _track_host_buffer(buf)
@@ -242,7 +267,7 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     ready = ds.record_event(ds.compute_stream())
     stream = ds.h2d_stream()
     ds.wait(stream, ready)
-    ds.copy(stream, out, host)
+    ds.copy(stream, out, host, pinned=ds.pin_memory and host.is_pinned())
     transfer = _Transfer(ds.record_event(stream), out.device, use_streams, _take_host_buffer(host))
     with _lock:
         _transfers[out.data_ptr()] = transfer
@@ -251,7 +276,7 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     return out
 
 
-@torch.library.custom_op("swap_pass::prefetch", mutates_args=())
+@torch.library.custom_op("swap_pass::prefetch", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
 def prefetch(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
              use_streams: bool = True, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Start copying ``host`` back to ``device`` on the host-to-device stream.
@@ -270,7 +295,7 @@ def _(host, device, size, stride, use_streams=True, after=None):
     return _empty_like_original(host, device, size, stride)
 
 
-@torch.library.custom_op("swap_pass::swap_in", mutates_args=())
+@torch.library.custom_op("swap_pass::swap_in", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
 def swap_in(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
             use_streams: bool = True) -> torch.Tensor:
     """Copy ``host`` back to ``device`` and wait for it: ``prefetch`` and ``wait`` in one."""
@@ -289,7 +314,8 @@ def _(host, device, size, stride, use_streams=True):
 _lib = torch.library.Library("swap_pass", "FRAGMENT")
 # ``after``: a tensor computed at the wait's planned position, so that no scheduler runs the
 # wait before the compute its copy hides behind (the wait itself ignores it).
-_lib.define("wait(Tensor(a) t, Tensor? keepalive=None, Tensor? after=None) -> Tensor(a)")
+_lib.define("wait(Tensor(a) t, Tensor? keepalive=None, Tensor? after=None) -> Tensor(a)",
+            tags=_UNSAFE_IN_CUDA_GRAPHS)
 
 
 def _wait_for(t: torch.Tensor) -> None:
@@ -300,8 +326,8 @@ def _wait_for(t: torch.Tensor) -> None:
         return
     ds = device_streams(transfer.device, transfer.use_streams)
     ds.wait(ds.compute_stream(), transfer.event)
-    if transfer.release is not None:  # a retained graph may read it again
-        host_pool().release_when_unread(transfer.release)
+    if transfer.release is not None:  # a retained graph may read it again; the copy's event
+        host_pool().release_when_unread(transfer.release, transfer.event)  # goes with it
 
 
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")

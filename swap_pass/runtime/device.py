@@ -140,8 +140,11 @@ class DeviceStreams:
         return stream  # torch.Stream is a context manager that makes itself current
 
     def copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
-             src: torch.Tensor | torch.UntypedStorage) -> None:
-        """Copy ``src`` into ``dst`` on ``stream``, without blocking the host on an accelerator.
+             src: torch.Tensor | torch.UntypedStorage, pinned: bool = False) -> None:
+        """Copy ``src`` into ``dst`` on ``stream``; without blocking the host when the host side
+        is ``pinned`` (page-locked) on an accelerator. A pageable host side copies with
+        ``non_blocking=False``: an asynchronous copy from or to pageable memory is not
+        guaranteed by every backend.
 
         Tensors of one shape and dtype, or two storages of one size (every byte: one call instead
         of a byte view of each side). The caller orders ``stream`` after the producer of ``src``
@@ -155,7 +158,7 @@ class DeviceStreams:
                 dst.copy_(src)
             else:
                 with stream:
-                    dst.copy_(src, non_blocking=self.is_async)
+                    dst.copy_(src, non_blocking=pinned and self.is_async)
         finally:
             if in_range is not None:
                 in_range.__exit__(None, None, None)

@@ -35,7 +35,8 @@ import torch
 from swap_pass.runtime import stats
 from swap_pass.runtime.errors import HostMemoryError
 
-__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight", "storage_use_count"]
+__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight", "return_pinned_memory",
+           "storage_use_count"]
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -74,13 +75,14 @@ class HostBufferPool:
         self._allocations = 0  # fresh buffers since the last restart_gauges()
         self._events: dict[int, object] = {}  # data_ptr -> event of the buffer's last copy
         # Buffers handed back from finalizers; see Note: [Releasing from __del__].
-        self._deferred: collections.deque[tuple[list[torch.Tensor], int, dict[str, int]]] = (
-            collections.deque()
-        )
+        self._deferred: collections.deque[
+            tuple[list[torch.Tensor], int, dict[str, int], object]] = collections.deque()
         # Buffers back once nothing else holds them; see Note: [Buffers a graph may read again].
         self._unread: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
         # Told about every buffer given back (swap_pass.testing.stream_model poisons it).
         self.on_release: Callable[[torch.Tensor], None] | None = None
+        # Told about every fresh buffer (swap_pass.testing.stream_model tells host from device).
+        self.on_allocate: Callable[[torch.Tensor], None] | None = None
 
     @property
     def bytes_in_use(self) -> int:
@@ -145,6 +147,8 @@ class HostBufferPool:
             lock.release()
         if buf is None:
             buf, event = self._allocate(nbytes, pin), None
+            if self.on_allocate is not None:
+                self.on_allocate(buf)
             with self._lock:
                 self._take(nbytes, fresh=True)
         if like is None:
@@ -180,8 +184,10 @@ class HostBufferPool:
         with self._lock:
             return self._events.pop(buf.data_ptr(), None)
 
-    def release_deferred(self, bufs: list[torch.Tensor], **stat_deltas: int) -> None:
-        """Queue ``bufs`` for release without taking any lock (safe inside ``__del__``).
+    def release_deferred(self, bufs: list[torch.Tensor], event: object = None,
+                         **stat_deltas: int) -> None:
+        """Queue ``bufs`` for release without taking any lock (safe inside ``__del__``);
+        ``event`` as in :meth:`release`.
 
         Note: [Releasing from __del__]
         A garbage-collected group gives its buffers back from ``__del__``, which the collector
@@ -190,14 +196,14 @@ class HostBufferPool:
         so finalizers only append to a deque (atomic in CPython); every pool operation, and
         ``swap_stats()``, drains it first.
         """
-        self._deferred.append((bufs, 0, stat_deltas))
+        self._deferred.append((bufs, 0, stat_deltas, event))
 
     def forget(self, nbytes: int) -> None:
         """Stop counting ``nbytes`` of handed-out buffers that died with their last user.
 
         Safe inside finalizers: queued like :meth:`release_deferred`.
         """
-        self._deferred.append(([], nbytes, {}))
+        self._deferred.append(([], nbytes, {}, None))
 
     def drain_deferred(self) -> None:
         """Apply what :meth:`release_deferred` and :meth:`forget` queued, and give back the
@@ -215,11 +221,11 @@ class HostBufferPool:
                 self._unread.append((buf, event))
         while self._deferred:
             try:
-                bufs, forgotten, stat_deltas = self._deferred.popleft()
+                bufs, forgotten, stat_deltas, event = self._deferred.popleft()
             except IndexError:  # drained by another thread meanwhile
                 return
             for buf in bufs:
-                self._put_back(buf)
+                self._put_back(buf, event)
             if forgotten:
                 with self._lock:
                     self._in_use_bytes -= forgotten
@@ -255,16 +261,22 @@ class HostBufferPool:
         while self._unread:
             self._put_back(*self._unread.popleft())
         with self._lock:
-            self._drop_cached()
+            pinned = self._drop_cached()
+        if pinned:
+            return_pinned_memory()
 
     # --- internals ---
 
-    def _drop_cached(self) -> None:
-        for bucket in self._free.values():
+    def _drop_cached(self) -> bool:
+        """Drop the cached buffers; return whether any was pinned."""
+        pinned = False
+        for (_, pin), bucket in self._free.items():
+            pinned = pinned or (pin and bool(bucket))
             for buf in bucket:
                 self._events.pop(buf.data_ptr(), None)
         self._free.clear()
         self._reserved_bytes = self._in_use_bytes
+        return pinned
 
     def _take(self, nbytes: int, *, fresh: bool) -> None:
         self._in_use_bytes += nbytes
@@ -292,7 +304,8 @@ class HostBufferPool:
     def _make_room(self, nbytes: int, max_host_bytes: int | None) -> None:
         if max_host_bytes is None or self.bytes_reserved + nbytes <= max_host_bytes:
             return
-        self._drop_cached()
+        if self._drop_cached():
+            return_pinned_memory()
         if self._in_use_bytes + nbytes > max_host_bytes:
             raise HostMemoryError(
                 "host_pool", nbytes, max(max_host_bytes - self._in_use_bytes, 0),
@@ -308,6 +321,29 @@ class HostBufferPool:
                 "host_pool", nbytes, available_host_bytes(),
                 f"allocating a {'pinned ' if pin else ''}host buffer failed ({err})",
             ) from err
+
+
+# Note: [Returning pinned memory]
+# Pinned buffers come from PyTorch's caching host allocator, which keeps a freed block for the
+# next pinned allocation instead of returning it: dropping our references alone bounds pinned
+# bytes by neither SwapConfig.max_host_bytes nor swap_pass.reset(). Where the torch build has
+# torch.accelerator.empty_host_cache, the pool calls it after dropping cached pinned buffers
+# (clear(), reset(), a request over max_host_bytes); the allocator frees the blocks nothing else
+# holds, once the copies that used them completed.
+
+
+def return_pinned_memory() -> bool:
+    """Return cached pinned blocks to the OS (see Note: [Returning pinned memory]).
+
+    Returns:
+        Whether this torch build could (``torch.accelerator.empty_host_cache`` exists and an
+        accelerator is present).
+    """
+    empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+    if empty_host_cache is None or not torch.accelerator.is_available():
+        return False
+    empty_host_cache()
+    return True
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:

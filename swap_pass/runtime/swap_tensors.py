@@ -220,6 +220,21 @@ def _skip_small(nbytes: int) -> None:
         record_skip(SkipReason.TOO_SMALL, nbytes, warn=False)
 
 
+def _keep_non_resizable(entries: list[_StorageEntry], name: str | None) -> list[_StorageEntry]:
+    """The entries whose storage can be freed in place; the others are counted and kept.
+
+    A storage that cannot be resized (a CUDA-graph output of cudagraph trees, ``from_blob``,
+    ``torch.frombuffer``, ``torch.from_numpy``, DLPack, an external pool) cannot be freed with
+    ``resize_(0)``: it stays on the device (``swap_stats().skipped_bytes["non_resizable"]``).
+    """
+    kept = [e for e in entries if not e.storage.resizable()]
+    for e in kept:
+        record_skip(SkipReason.NON_RESIZABLE, e.nbytes, where=name,
+                    detail="Its storage cannot be freed in place (CUDA-graph output, from_blob, "
+                           "DLPack); clone it to have it swapped.")
+    return [e for e in entries if e.storage.resizable()]
+
+
 def _narrow_to_span(e: _StorageEntry) -> None:
     """Copy only the bytes ``e``'s tensors span, when that is less than the whole storage."""
     lo, hi = byte_span(e.tensors)
@@ -298,6 +313,8 @@ class SwapTensors:
             self._entries = _one_entry(tensors, min_bytes, copy_span)
         else:
             self._entries = _group_by_storage(tensors, min_bytes, copy_span)
+        if not all(e.storage.resizable() for e in self._entries):
+            self._entries = _keep_non_resizable(self._entries, name)
         self._take_stock()
         entries = self._entries
         if len(entries) == 1:  # the common case: one layer input
@@ -370,7 +387,7 @@ class SwapTensors:
             else:
                 if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                     stream = ds.d2h_stream()
-                self._event = _queue_copies(ds, stream, entries, to_host=True)
+                self._event = _queue_copies(ds, stream, entries, to_host=True, pinned=self._pinned)
                 stats.record_swap_out(self._host_nbytes)
         self.stat = D2H
 
@@ -387,7 +404,7 @@ class SwapTensors:
             ds = self._ds or self._streams()
             if not self._out_waited:
                 _wait_on_compute(ds, self._event)
-            self._event, self._out_waited = None, False
+            self._out_waited = False  # _event kept: the host buffers' last copy (discard)
             for e in entries:
                 if e.dense:  # see Note: [Dense copies]
                     e.alias = e.tensors[0].data
@@ -420,7 +437,7 @@ class SwapTensors:
                 e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream()
-            self._event = _queue_copies(ds, stream, entries, to_host=False)
+            self._event = _queue_copies(ds, stream, entries, to_host=False, pinned=self._pinned)
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
 
@@ -430,10 +447,10 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
-            _wait_on_compute(self._ds or self._streams(), self._event)
-            self._event = None
+            event, self._event = self._event, None
+            _wait_on_compute(self._ds or self._streams(), event)
             unguard(self._entry_tensors)
-            self._release_host_buffers()
+            self._release_host_buffers(event)  # another device's copy stream waits on it
         self._leave_registry()  # see Note: [One storage, one live group]
         self.kept_on_device = False
         self.stat = DEVICE
@@ -465,7 +482,8 @@ class SwapTensors:
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
                 give_up(self._entry_tensors, self)  # they stay freed
-            self._release_host_buffers()
+            self._release_host_buffers(self._event)  # the buffers' last copy
+            self._event = None
         self._leave_registry()
         self._entries = []
         self._take_stock()
@@ -483,13 +501,17 @@ class SwapTensors:
             else:
                 return  # the common case: every buffer went back to the pool
             bufs = [e.host for e in self._entries if e.host is not None]
-            if self._event is not None:
-                self._event.synchronize()  # an in-flight copy must finish before buffer reuse
+            if self._event is not None and self._ds is not None and self.stat is not HOST:
+                # A copy in flight still reads or writes device memory this group may be the
+                # last to hold: its allocating stream must not reuse it before the copy ends.
+                # Ordered by a stream wait, not a host synchronize (which some backends lack).
+                _wait_on_compute(self._ds, self._event)
             if self.stat in (HOST, H2D) and not self.kept_on_device:  # nobody restores them now
                 give_up(self._entry_tensors, self)
             freed = self.stat == HOST and not self.kept_on_device
-            host_pool().release_deferred(
-                bufs, **({"device_bytes_released": -self.nbytes} if freed else {}))
+            host_pool().release_deferred(  # with the last copy's event: see host_pool.py
+                bufs, event=self._event,
+                **({"device_bytes_released": -self.nbytes} if freed else {}))
         except Exception:  # interpreter shutdown: the pool may already be gone
             pass
 
@@ -566,7 +588,10 @@ class SwapTensors:
                 return
 
     def _abandon_d2h(self) -> None:
-        # The copy may still write the buffers: whoever takes them next waits on its event.
+        # The copy may still read the device storages, which stay with their tensors and may be
+        # freed or die any time now: the compute stream (their allocating stream) waits for it.
+        # It may still write the buffers: whoever takes them next waits on its event.
+        _wait_on_compute(self._ds or self._streams(), self._event)
         self._release_host_buffers(self._event)
         self._event, self._out_waited = None, False
         self._leave_registry()
@@ -584,14 +609,15 @@ def _modified_error(name: str | None, t: torch.Tensor, version: int, when: str) 
 
 
 def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[_StorageEntry],
-                  to_host: bool) -> object:
+                  to_host: bool, pinned: bool | None = False) -> object:
     """Queue each entry's copy to (``to_host``) or from its host buffer on ``stream``, ordered
     after the compute stream's work so far (and, to the host, after a reused buffer's last copy);
     return the event recorded after them.
 
     A dense entry copies tensor to tensor (see Note: [Dense copies]), any other whole storage
     storage to storage, a span through a byte view of the storage. ``stream`` is None only where
-    copies are synchronous (CPU): nothing to order, no event.
+    copies are synchronous (CPU): nothing to order, no event. ``pinned``: the host buffers are
+    page-locked (only then is a copy issued without blocking the host).
     """
     if stream is not None:
         ds.wait(stream, ds.record_event(ds.compute_stream()))
@@ -608,9 +634,9 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
             lo, hi = e.span
             device = _bytes_view(e.storage, lo, hi - lo)
         if to_host:
-            ds.copy(stream, host, device)
+            ds.copy(stream, host, device, pinned=bool(pinned))
         else:
-            ds.copy(stream, device, host)
+            ds.copy(stream, device, host, pinned=bool(pinned))
     return None if stream is None else ds.record_event(stream)
 
 

@@ -22,6 +22,11 @@ def test_script_parses_and_runs_the_required_stages():
     assert '--json "$OUT/$1.json"' in text and "timeout" in text
     assert "pip install --no-deps --no-build-isolation -e ." in text
     assert "python3 -m swap_pass capacity --preset \"$PRESET\"" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text and "pinned.txt" in text
+    races = (ROOT / "tests" / "reliability" / "test_cuda_races.py").read_text()
+    for needed in ("slow_producer", "sync_each_step=False", "interleaved", 'mode="reduce-overhead"',
+                   "host_memory_stats", '["eager", "graph", "smart"]'):
+        assert needed in races, needed
 
 
 @pytest.mark.slow

@@ -41,23 +41,26 @@ def slow_side_streams(monkeypatch):
     """Queue a sleep on the side stream before every copy the runtime issues there."""
     copy = DeviceStreams.copy
 
-    def slowed(self, stream, dst, src):
+    def slowed(self, stream, dst, src, pinned=False):
         if stream is not None and stream != self.compute_stream():
             with self.use(stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
-        copy(self, stream, dst, src)
+        copy(self, stream, dst, src, pinned)
 
     monkeypatch.setattr(DeviceStreams, "copy", slowed)
 
 
 class Block(torch.nn.Module):
-    def __init__(self, passthrough: bool = False) -> None:
+    def __init__(self, passthrough: bool = False, slow: bool = False) -> None:
         super().__init__()
         self.passthrough = passthrough  # returns its input: one storage in two groups
+        self.slow = slow  # the compute stream sleeps before producing the output
         self.norm = torch.nn.LayerNorm(HIDDEN)
         self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
+        if self.slow:  # the next layer's swap-out must wait for this producer (producer wait)
+            torch.cuda._sleep(SLEEP_CYCLES)
         return x if self.passthrough else x + self.fc(torch.tanh(self.norm(x)))
 
 
@@ -67,7 +70,8 @@ class Stack(torch.nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.mode = mode
-        self.layers = torch.nn.ModuleList(Block(mode == "identity" and i == 1) for i in range(4))
+        self.layers = torch.nn.ModuleList(Block(mode == "identity" and i == 1, mode == "slow_producer")
+                                          for i in range(4))
         self.alpha = torch.nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x):
@@ -84,15 +88,17 @@ class Stack(torch.nn.Module):
         return x.pow(2).mean() + extra
 
 
-def _steps(model, data, stream=None):
+def _steps(model, data, stream=None, sync_each_step=True):
     out = []
     for step in range(STEPS):
         model.zero_grad(set_to_none=True)
         with torch.cuda.stream(stream or torch.cuda.current_stream()):
             loss = model(data[step])
             loss.backward()
-        torch.cuda.synchronize()
-        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+            out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        if sync_each_step:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return out
 
 
@@ -119,6 +125,101 @@ def test_eager_exact_with_slow_side_streams(slow_side_streams, mode, prefetch):
     _assert_same(expected, got)
     _assert_same(expected, got_other)
     assert swap_pass.swap_stats().peak_device_bytes_released >= TOKENS * HIDDEN * 4
+
+
+@pytest.mark.parametrize("slow", ["compute", "side"])
+def test_eager_exact_without_a_per_step_synchronize(slow_side_streams, slow, monkeypatch):
+    """No synchronize between steps; the compute stream sleeps before every producer (a missing
+    producer wait copies data not yet written) or the side streams sleep before every copy."""
+    if slow == "compute":
+        monkeypatch.undo()  # side streams at full speed: only the producers are late
+    torch.manual_seed(0)
+    mode = "slow_producer" if slow == "compute" else "plain"
+    ref, model = Stack(mode).cuda(), Stack(mode).cuda()
+    model.load_state_dict(ref.state_dict())
+    data = [torch.randn(TOKENS, HIDDEN, device="cuda", requires_grad=True) for _ in range(STEPS)]
+    expected = _steps(ref, data)
+    with swap_pass.enable_swap_layer_input(model):
+        got = _steps(model, data, sync_each_step=False)
+    _assert_same(expected, got)
+
+
+def test_two_devices_interleaved_without_synchronize(slow_side_streams):
+    """Steps alternate between two devices with no synchronize: buffers one device gives back
+    are taken by the other's swap-outs, which must wait on the buffers' last copies."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices; this machine has one")
+    models, data, refs = [], [], []
+    for dev in ("cuda:0", "cuda:1"):
+        torch.manual_seed(0)
+        model = Stack("plain").to(dev)
+        batch = [torch.randn(TOKENS, HIDDEN, device=dev, requires_grad=True) for _ in range(STEPS)]
+        with torch.cuda.device(dev):
+            refs.append(_steps(model, batch))
+        models.append(model)
+        data.append(batch)
+    got = [[], []]
+    with swap_pass.enable_swap_layer_input(models[0]), swap_pass.enable_swap_layer_input(models[1]):
+        for step in range(STEPS):
+            for i, dev in enumerate(("cuda:0", "cuda:1")):
+                with torch.cuda.device(dev):
+                    models[i].zero_grad(set_to_none=True)
+                    loss = models[i](data[i][step])
+                    loss.backward()
+                    got[i].append((loss.detach().clone(), [p.grad.clone() for p in models[i].parameters()]))
+    for dev in ("cuda:0", "cuda:1"):
+        torch.cuda.synchronize(dev)
+    for ref, mine in zip(refs, got):
+        _assert_same(ref, mine)
+
+
+def test_reduce_overhead_compiled_layers_are_exact():
+    """compile_layers(mode="reduce-overhead"): cudagraph-tree outputs cannot be resized; they
+    stay on the device and are counted, and the step matches the same compile without swap."""
+    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+
+    cfg = LlamaConfig(hidden_size=512, num_layers=3, num_heads=8, intermediate_size=1024,
+                      vocab_size=256, max_seq_len=1024)
+
+    def run(swap):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaStyleModel(cfg).cuda()
+        with swap_pass.compile_layers(model, swap=swap, mode="reduce-overhead"):
+            grads = []
+            for seed in range(STEPS):
+                torch.compiler.cudagraph_mark_step_begin()
+                model.zero_grad(set_to_none=True)
+                model(*make_batch(cfg, 2, 1024, seed=seed, device="cuda")).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        torch.cuda.synchronize()
+        return grads
+
+    ref = run(False)
+    got = run(True)
+    for a, b in zip(ref, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    stats = swap_pass.swap_stats()
+    assert stats.swap_outs > 0 or stats.skipped_bytes.get("non_resizable", 0) > 0, stats
+
+
+def test_reset_returns_pinned_memory():
+    """Pinned host bytes of the pool go back to the OS on reset() (torch.accelerator.empty_host_cache)."""
+    if not hasattr(torch.accelerator, "empty_host_cache"):
+        pytest.skip("this torch has no torch.accelerator.empty_host_cache")
+    torch.manual_seed(0)
+    model = Stack("plain").cuda()
+    data = [torch.randn(TOKENS, HIDDEN, device="cuda", requires_grad=True) for _ in range(STEPS)]
+    with swap_pass.enable_swap_layer_input(model):
+        _steps(model, data)
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    swap_pass.reset()
+    left = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    report = f"pinned host bytes: {held} after 3 steps, {left} after swap_pass.reset()"
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "pinned.txt"), "w") as f:
+            f.write(report + "\n")
+    assert held >= TOKENS * HIDDEN * 4 and left == 0, report
 
 
 def test_two_devices_share_the_pool(slow_side_streams):

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Show that the stream-model checker catches deleted stream waits: mutate a copy, run the tests.
+
+Each mutation deletes one kind of ordering from a temporary copy of the working tree and runs
+the given tests there under the CPU stream model (``SWAP_PASS_STREAM_MODEL=1``); the swap tests
+must then fail. ``none`` runs the same tests unmutated (they must pass).
+
+    python3 scripts/stream_mutations.py [--tests PATH ...] [MUTATION ...]
+
+Mutations (default: all):
+  producer_waits  the side streams no longer wait on the compute stream before a copy
+                  (SwapTensors' copies and the graph ops swap_out / prefetch)
+  release_events  host buffers go back to the pool without their last copy's event
+                  (wait_h2d, discard, a dropped group, the graph wait, reset)
+  abandon_wait    a copy out abandoned by restore() from "d2h" is not waited for by compute
+Prints one line per mutation: the pytest summary and whether it failed as it must.
+Exit status: 0 when every mutation failed its tests and ``none`` passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ST = "swap_pass/runtime/swap_tensors.py"
+OPS = "swap_pass/graph/ops.py"
+
+# (file, text, replacement, count): each must match exactly ``count`` times.
+MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
+    "none": [],
+    "producer_waits": [
+        (ST, "        ds.wait(stream, ds.record_event(ds.compute_stream()))\n", "        pass\n", 1),
+        (OPS, "    ds.wait(stream, ready)\n", "", 2),
+    ],
+    "release_events": [
+        (ST, "self._release_host_buffers(event)  #", "self._release_host_buffers()  #", 1),
+        (ST, "self._release_host_buffers(self._event)  # the buffers' last copy",
+         "self._release_host_buffers()", 1),
+        (ST, "bufs, event=self._event,", "bufs, event=None,", 1),
+        (OPS, "release_when_unread(transfer.release, transfer.event)",
+         "release_when_unread(transfer.release)", 2),
+        (OPS, "host_pool().release(buf, event)", "host_pool().release(buf)", 1),
+    ],
+    "abandon_wait": [
+        (ST, "        _wait_on_compute(self._ds or self._streams(), self._event)\n"
+             "        self._release_host_buffers(self._event)\n",
+         "        self._release_host_buffers(self._event)\n", 1),
+    ],
+}
+DEFAULT_TESTS = ["tests/runtime", "tests/graph/test_ops.py"]
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / name)
+
+
+def _mutate(tree: Path, edits: list[tuple[str, str, str, int]]) -> None:
+    for name, text, replacement, count in edits:
+        path = tree / name
+        source = path.read_text()
+        found = source.count(text)
+        if found != count:
+            sys.exit(f"stream_mutations: {name}: expected {count} match(es) of {text!r}, found {found}")
+        path.write_text(source.replace(text, replacement))
+
+
+def run(mutation: str, tests: list[str]) -> tuple[bool, str]:
+    """Run ``tests`` on a mutated copy; return (as expected, pytest's summary line)."""
+    with tempfile.TemporaryDirectory(prefix="swap_pass_mutation_") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        _mutate(tree, MUTATIONS[mutation])
+        env = {**os.environ, "PYTHONPATH": str(tree), "SWAP_PASS_STREAM_MODEL": "1"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p",
+                               "no:cacheprovider", *tests], cwd=tree, env=env, capture_output=True,
+                              text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    summary = lines[-1].strip("= ") if lines else proc.stdout[-300:] + proc.stderr[-300:]
+    expected = proc.returncode == 0 if mutation == "none" else proc.returncode == 1
+    return expected, summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mutations", nargs="*", help=f"some of {list(MUTATIONS)}; default: all")
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS)
+    args = parser.parse_args()
+    unknown = set(args.mutations) - set(MUTATIONS)
+    if unknown:
+        parser.error(f"unknown mutation(s) {sorted(unknown)}; choose from {list(MUTATIONS)}")
+    args.mutations = args.mutations or list(MUTATIONS)
+    ok = True
+    for mutation in args.mutations:
+        expected, summary = run(mutation, args.tests)
+        ok &= expected
+        verdict = "as it must" if expected else "NOT AS IT MUST"
+        print(f"{mutation}: {summary} ({verdict})", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
