@@ -12,7 +12,6 @@ of its own forward back. Gradients are compared bitwise with the same schedule w
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist

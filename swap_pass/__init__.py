@@ -17,18 +17,6 @@ from swap_pass._version_check import check_torch_version
 check_torch_version()
 
 from swap_pass.config import OnHostExhausted, SwapConfig  # noqa: E402
-from swap_pass.runtime import (  # noqa: E402
-    HostMemoryError,
-    SkipReason,
-    SwapDataError,
-    SwapLayerInputManager,
-    SwapStateError,
-    SwapStats,
-    SwapTensors,
-    is_valid_for_swap,
-    reset,
-    swap_stats,
-)
 
 # --- eager ---
 from swap_pass.eager import (  # noqa: E402
@@ -47,6 +35,18 @@ from swap_pass.graph import (  # noqa: E402
     find_layer_boundaries,
     make_swap_backend,
     swap_backend,
+)
+from swap_pass.runtime import (  # noqa: E402
+    HostMemoryError,
+    SkipReason,
+    SwapDataError,
+    SwapLayerInputManager,
+    SwapStateError,
+    SwapStats,
+    SwapTensors,
+    is_valid_for_swap,
+    reset,
+    swap_stats,
 )
 
 # --- adaptive (SmartSwap) ---

@@ -182,7 +182,14 @@ def _bench_preset(args: argparse.Namespace, device: torch.device):
 
 
 def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from swap_pass.bench import BenchContext, default_compile_inner, format_report, plot_memory, run_bench, write_json
+    from swap_pass.bench import (
+        BenchContext,
+        default_compile_inner,
+        format_report,
+        plot_memory,
+        run_bench,
+        write_json,
+    )
 
     device = _device(args.device)
     preset = _bench_preset(args, device)

@@ -7,7 +7,14 @@ with its reason. See ``docs/usage.md`` ("Measuring") for what each column means.
 """
 
 from swap_pass.bench.harness import MethodResult, build_model, run_method
-from swap_pass.bench.methods import METHODS, BenchContext, Method, MethodSkipped, Runner, default_compile_inner
+from swap_pass.bench.methods import (
+    METHODS,
+    BenchContext,
+    Method,
+    MethodSkipped,
+    Runner,
+    default_compile_inner,
+)
 from swap_pass.bench.presets import PRESETS, BenchPreset, get_preset
 from swap_pass.bench.report import format_report, format_rows, plot_memory, write_json
 from swap_pass.bench.run import BenchReport, run_bench

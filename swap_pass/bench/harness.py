@@ -29,7 +29,13 @@ from torch import nn
 from torch.profiler import record_function
 
 import swap_pass
-from swap_pass.bench.measure import BACKWARD_RANGE, FORWARD_RANGE, StepProfile, profile_step, synchronize
+from swap_pass.bench.measure import (
+    BACKWARD_RANGE,
+    FORWARD_RANGE,
+    StepProfile,
+    profile_step,
+    synchronize,
+)
 from swap_pass.bench.methods import BenchContext, Method, MethodSkipped, Runner
 from swap_pass.bench.presets import BenchPreset
 from swap_pass.models import LlamaStyleModel, make_batch

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 from swap_pass.eager import _protocol
-from swap_pass.eager._layer_io import find_hidden_states, in_backward
+from swap_pass.eager._layer_io import _tensors_in, find_hidden_states, in_backward
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.eager._layer_io import _tensors_in
 from swap_pass.runtime.ownership import autograd_mark, may_free
 from swap_pass.runtime.swap_tensors import SwapTensors
 

@@ -25,13 +25,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs, swap_within_budget
-from swap_pass.graph.budget import Budget, CostModel
 from swap_pass.graph.boundaries import LayerFilter
+from swap_pass.graph.budget import Budget, CostModel
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 

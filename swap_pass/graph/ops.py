@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+
 # The ops' signatures say List[int]: some torch releases' custom_op schema inference (2.6)
 # read typing.List[int] but not list[int].
 from typing import List, Optional  # noqa: UP035

@@ -19,8 +19,16 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass.bench import (BenchContext, Method, MethodResult, Runner, get_preset, run_bench,
-                             run_method, write_json)
+from swap_pass.bench import (
+    BenchContext,
+    Method,
+    MethodResult,
+    Runner,
+    get_preset,
+    run_bench,
+    run_method,
+    write_json,
+)
 from swap_pass.bench.methods import METHODS, MethodSkipped, require
 from swap_pass.bench.run import compare_losses
 from swap_pass.cli import main

@@ -109,8 +109,8 @@ def _inputs(raw: bool, ids: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2, raw: bool = False):
-    from swap_pass.models import make_batch
     import swap_pass
+    from swap_pass.models import make_batch
     mods, sched = _build(schedule, rank, layer_cls, recompute, raw)
     record = {"losses": [], "clean": [], "inputs_intact": []}
     for step in range(steps):

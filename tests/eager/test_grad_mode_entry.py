@@ -23,7 +23,6 @@ from swap_pass.models import LlamaDecoderLayer, LlamaStyleModel
 from tests.eager.helpers import CFG, MegatronCheckpoint, assert_clean, assert_exact, batch, twin
 
 
-
 class GradEnablingLayer(LlamaDecoderLayer):
     """The tiny Llama layer with its last residual add under ``torch.enable_grad()``."""
 

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import swap_pass

@@ -9,11 +9,18 @@ import torch
 from torch import nn
 
 import swap_pass
-from tests.eager.helpers import (
-    CFG, CheckpointedModel, SwapLlamaLayer, assert_clean, assert_exact, batch, pending_entries,
-    train_step, twin,
-)
 from swap_pass.models import LlamaDecoderLayer
+from tests.eager.helpers import (
+    CFG,
+    CheckpointedModel,
+    SwapLlamaLayer,
+    assert_clean,
+    assert_exact,
+    batch,
+    pending_entries,
+    train_step,
+    twin,
+)
 
 
 def _pair(mode="non_reentrant", layer_cls=SwapLlamaLayer, cfg=CFG):

@@ -11,7 +11,14 @@ import swap_pass
 from swap_pass.eager import _protocol
 from swap_pass.eager._layer_io import in_backward
 from tests.eager.helpers import (
-    CFG, CheckpointedModel, SwapLlamaLayer, assert_clean, assert_exact, batch, train_step, twin,
+    CFG,
+    CheckpointedModel,
+    SwapLlamaLayer,
+    assert_clean,
+    assert_exact,
+    batch,
+    train_step,
+    twin,
 )
 
 MODES = ["none", "non_reentrant", "reentrant", "megatron"]

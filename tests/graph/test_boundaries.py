@@ -8,8 +8,15 @@ import torch
 from swap_pass.graph.boundaries import find_layer_boundaries, normalize_fqn
 from swap_pass.models import LlamaDecoderLayer
 
-from .helpers import (TraceableLlama, batch, capture_aot_graphs, capture_dynamo_graph,
-                      hf_llama_tiny, tiny_model, trace)
+from .helpers import (
+    TraceableLlama,
+    batch,
+    capture_aot_graphs,
+    capture_dynamo_graph,
+    hf_llama_tiny,
+    tiny_model,
+    trace,
+)
 
 L = 3
 

@@ -11,7 +11,7 @@ import swap_pass
 from swap_pass import SwapConfig, apply_swap_pass
 from swap_pass.graph.passes import layer_input_release, layer_input_swap_out
 
-from .helpers import (TraceableLlama, assert_grads_equal, batch, tiny_model, trace, twin)
+from .helpers import TraceableLlama, assert_grads_equal, batch, tiny_model, trace, twin
 
 L = 4
 

@@ -123,8 +123,10 @@ def test_mtp_layers_are_left_alone():
     """A GPTModel with a multi-token-prediction layer: only the decoder's layers are swapped,
     the MTP layer (which reads the decoder's output again) runs untouched; exact."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_mtp_block_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     cfg = mc.make_config(recompute="full", method="uniform", recompute_layers=1, mtp_num_layers=1)
 

@@ -122,7 +122,8 @@ def test_smartswap_alternating_between_two_devices_is_exact():
 def test_graph_path_with_retain_graph_on_two_devices_is_exact():
     """A compiled graph kept with retain_graph on device 0 while device 1 trains: the retained
     graph's host buffers stay its own, the rest go between devices with their copy events."""
-    from tests.graph.helpers import batch as graph_batch, tiny_model
+    from tests.graph.helpers import batch as graph_batch
+    from tests.graph.helpers import tiny_model
 
     torch._dynamo.reset()
     m0, m1 = tiny_model(3, seed=0), tiny_model(3, seed=1)

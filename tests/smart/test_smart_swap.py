@@ -7,8 +7,6 @@ Every run is compared with a deep copy of the same model trained without any hoo
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
