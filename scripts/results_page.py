@@ -23,6 +23,8 @@ graph-peaks        ``python scripts/graph_peak.py --json PATH`` (``--graph``)
 gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
 gpu-compile        the same, its compile rows (``--gpu-compile``)
 megatron           ``swap-pass bench --megatron --json PATH`` (``--megatron``)
+capacity-batch     ``swap-pass capacity --dim batch --json PATH`` (``--capacity-batch``)
+capacity-seq       ``swap-pass capacity --dim seq --json PATH`` (``--capacity-seq``)
 =================  ===========================================================================
 
 ``scripts/gpu_check.sh`` writes the last three's files: ``bench-<preset>.json``,
@@ -31,6 +33,7 @@ megatron           ``swap-pass bench --megatron --json PATH`` (``--megatron``)
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
        [--gpu-bench G.json] [--gpu-compile C.json] [--megatron M.json]
+       [--capacity-batch B.json] [--capacity-seq S.json]
 """
 
 from __future__ import annotations
@@ -159,6 +162,25 @@ def megatron(data: dict) -> list[str]:
                       body)]
 
 
+def capacity(data: dict) -> list[str]:
+    """``swap-pass capacity``'s table: the largest size per method under the cap."""
+    dim, rows = data["dim"], data["rows"]
+    base = next((r["max"] for r in rows if r["method"] == "no_swap" and r["max"]), None)
+    body = [[r["label"], f"{r['max']:,}", f"{r['max'] / base:.1f}x" if base else "-",
+             mib(r["peak_bytes"]), mib(r["planned_peak_bytes"]),
+             f"{r['need_without_swap_bytes'] / data['device_memory']:.2f}x",
+             mib(r["host_bytes"]), f"{r['step_ms']:,.0f}", f"{r['cpu_ms']:,.0f}",
+             "-" if r["exact"] is None else f"{'yes' if r['exact'] else 'NO'} @ {r['exact_at']}"]
+            for r in rows]
+    cap = "virtual cap (CPU)" if data["virtual_cap"] else "real cap"
+    return [provenance(data["meta"]), "",
+            f"Largest {dim} per method under {mib(data['device_memory'])} MiB of device memory, "
+            f"{cap}; peaks in MiB.", "",
+            *md_table(["method", f"max {dim}", "x no swap", "peak", "planned peak",
+                       "need w/o swap, x cap", "host", "step ms", "CPU ms", "losses = no swap"],
+                      body)]
+
+
 # section -> (the option naming its JSON file, what makes its lines)
 SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "bench-methods": ("bench", bench_methods), "bench-host": ("bench", bench_host),
@@ -166,6 +188,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
     "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),
     "megatron": ("megatron", megatron),
+    "capacity-batch": ("capacity-batch", capacity), "capacity-seq": ("capacity-seq", capacity),
 }
 
 
@@ -199,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     files = {o: json.loads(path.read_text()) for o, path in given.items() if path is not None}
     if not files:
         sys.exit("results_page.py: give at least one JSON file (--bench, --stages, "
-                 "--instructions, --graph, --gpu-bench, --gpu-compile, --megatron).")
+                 "--instructions, --graph, --gpu-bench, --gpu-compile, --megatron, "
+                 "--capacity-batch, --capacity-seq).")
     page = Path(args.page)
     page.write_text(regenerate(page.read_text(), files))
 
