@@ -62,14 +62,15 @@ import functools
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from swap_pass.runtime.skips import SkipReason, record_skip
 
-__all__ = ["autograd_mark", "byte_span", "is_user_data", "may_free", "outside_holders", "saved_aliases",
-           "swappable_layer_inputs"]
+__all__ = ["account_holders", "autograd_mark", "byte_span", "is_user_data", "may_free",
+           "outside_holders", "saved_aliases", "swappable_layer_inputs"]
 
 _use_count = torch._C._storage_Use_Count
 # What a storage held by one tensor reads as: 2 on torch 2.11 and 2.13 (the Python storage object
@@ -98,7 +99,8 @@ def outside_holders(tensors: Sequence[torch.Tensor]) -> int:
         tensors: Tensors over one storage (a layer input, or aliases of saved tensors).
 
     Returns:
-        0 when the storage is held by ``tensors`` (and their bases) alone; see Note: [Ownership rule].
+        0 when the storage is held by ``tensors`` (and their bases) alone; see
+        Note: [Ownership rule].
     """
     if len(tensors) == 1 and tensors[0]._base is None:  # a layer input that is no view
         t = tensors[0]
@@ -163,7 +165,7 @@ def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
         if t.is_contiguous():  # the common case, and the same span as the general formula
             last = offset + t.numel() - 1
         else:
-            last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+            last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
         start, end = offset * size, (last + 1) * size
         lo, hi = (start if lo is None else min(lo, start)), max(hi, end)
     return (0, 0) if lo is None else (lo, hi)
@@ -222,6 +224,8 @@ def may_free(tensors: Sequence[torch.Tensor], layer: str, *,
     """
     if not tensors:
         return True
+    if _entry_holders:
+        accounted = [*accounted, *_accounted_at_entry(tensors)]
     if len(tensors) == 1 and not accounted and outside_holders(tensors) <= 0:
         return True  # the common case: a layer input nothing else holds
     by_storage: dict[int, list[torch.Tensor]] = {}
@@ -241,6 +245,32 @@ def may_free(tensors: Sequence[torch.Tensor], layer: str, *,
             _warn_shared(layer, t, extra)
             return False
     return True
+
+
+# Holders a claim accounted for at a layer's entry besides the input and its view base: the
+# local tensors of a wrapper subclass's view bases (Note: [Swapping through the local tensor] in
+# ``subclasses.py``), which the wrapper keeps alive and nobody reads through. By id with weak
+# references: a WeakKeyDictionary would compare tensors with ``==``.
+_entry_holders: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
+
+
+def account_holders(t: torch.Tensor, holders: Sequence[torch.Tensor]) -> None:
+    """Have :func:`may_free` count ``holders`` as known holders of ``t``'s storage while ``t``
+    lives (a wrapper's base locals, found when its layer was entered)."""
+    if not holders:
+        return
+    key = id(t)
+    _entry_holders[key] = (weakref.ref(t, lambda _, key=key: _entry_holders.pop(key, None)),
+                           [weakref.ref(h) for h in holders])
+
+
+def _accounted_at_entry(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    found = []
+    for t in tensors:
+        entry = _entry_holders.get(id(t))
+        if entry is not None and entry[0]() is t:
+            found.extend(h for ref in entry[1] if (h := ref()) is not None)
+    return found
 
 
 # The walk gives up (what it did not see stays unexplained: the storage is kept) past this many
@@ -275,11 +305,13 @@ def saved_aliases(tensors: Sequence[torch.Tensor], roots: Sequence[torch.Tensor]
 
 
 def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
-    """Add to ``found`` the saved tensors of ``node`` over storage ``key`` that only autograd holds."""
+    """Add to ``found`` the saved tensors of ``node`` over storage ``key`` that only autograd
+    holds."""
     for name in _saved_tensor_names(type(node)):
         raw = getattr(node, name, None)
         for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
-            if not isinstance(saved, torch._C._autograd.SavedTensor) or saved.unpack_hook is not None:
+            if (not isinstance(saved, torch._C._autograd.SavedTensor)
+                    or saved.unpack_hook is not None):
                 continue
             data = saved.data
             if (data is None or data._cdata in known or data._cdata in found

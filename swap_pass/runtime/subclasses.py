@@ -28,7 +28,11 @@ import functools
 import torch
 
 from swap_pass.runtime.freed_guard import is_guarded
-from swap_pass.runtime.ownership import outside_holders, swappable_layer_inputs
+from swap_pass.runtime.ownership import (
+    account_holders,
+    outside_holders,
+    swappable_layer_inputs,
+)
 from swap_pass.runtime.skips import SkipReason, record_skip
 
 __all__ = ["claim_not_plain", "local_tensor", "subclass_nbytes", "wrapper_kinds"]
@@ -115,7 +119,9 @@ def claim_not_plain(t: torch.Tensor, layer: str, custom_check_fn, *,
     if custom_check_fn is not None and not custom_check_fn(t):
         record_skip(SkipReason.CUSTOM_CHECK, local.untyped_storage().nbytes(), where=layer)
         return None
-    if outside_holders([local, *_base_locals(t, local)]) <= 0:
+    bases = _base_locals(t, local)
+    account_holders(local, bases)  # known holders again when the storage is to be freed
+    if outside_holders([local, *bases]) <= 0:
         return local
     return swappable_layer_inputs([local], layer, leaves_owned=True)[0]  # checked again at free
 
@@ -152,7 +158,8 @@ def _wrapper_is_user_data(t: torch.Tensor) -> bool:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor:
+    if (type(t) is torch.Tensor
+            or isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
         try:
             return t.untyped_storage().nbytes()
         except RuntimeError:
