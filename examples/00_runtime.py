@@ -14,7 +14,8 @@ from swap_pass import SwapTensors, swap_stats
 
 
 def grads(swap: bool) -> torch.Tensor:
-    """Gradient of ``sum(tanh(x) * w)``; with ``swap``, tanh's saved output spends backward's wait on the host."""
+    """Gradient of ``sum(tanh(x) * w)``; with ``swap``, tanh's saved output spends backward's
+    wait on the host."""
     torch.manual_seed(0)
     x = torch.randn(512, 512, requires_grad=True)
     w = torch.randn(512, 512)
@@ -42,7 +43,8 @@ def main() -> int:
     assert torch.equal(expected, got), "gradients differ"
     assert stats.swapped_out_bytes == stats.swapped_in_bytes == 512 * 512 * 4
     assert stats.host_bytes_in_use == 0
-    print(f"swapped out {stats.swapped_out_bytes} bytes and back; host bytes in use now: {stats.host_bytes_in_use}")
+    print(f"swapped out {stats.swapped_out_bytes} bytes and back; "
+          f"host bytes in use now: {stats.host_bytes_in_use}")
     print("OK: gradients bitwise equal with and without the swap")
     return 0
 

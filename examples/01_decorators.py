@@ -66,7 +66,8 @@ def train(block_cls: type[Block], steps: int = 3) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step),
+                        requires_grad=True)
         loss = model(x)
         loss.backward()
         opt.step()
@@ -82,7 +83,7 @@ def main() -> int:
     stats = swap_pass.swap_stats()
     managers = swap_pass.SwapLayerInputManager.manager_map["default"]
     assert len(managers) == LAYERS, managers
-    assert all(torch.equal(a, b) for a, b in zip(expected, got)), (expected, got)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (expected, got)
     assert stats.swap_outs >= LAYERS - 1 and stats.host_bytes_in_use == 0, stats
     print(f"{len(managers)} managers; swap-outs: {stats.swap_outs}; "
           f"bytes out/in: {stats.swapped_out_bytes}/{stats.swapped_in_bytes}")

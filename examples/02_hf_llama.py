@@ -49,7 +49,7 @@ def main() -> int:
     got = train(swapped)
     handle.remove()
     stats = swap_pass.swap_stats()
-    assert all(torch.equal(a, b) for a, b in zip(expected, got)), (expected, got)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (expected, got)
     assert stats.swap_outs > 0 and stats.host_bytes_in_use == 0, stats
     print(f"losses: {[round(float(x), 4) for x in got]}; swap-outs: {stats.swap_outs}")
     print("OK: HF Llama losses bitwise equal with and without swap")

@@ -47,8 +47,9 @@ def main() -> int:
     stats = swap_pass.swap_stats()
     # aot_eager runs the same ATen ops either way: losses must be bitwise equal. Inductor may
     # fuse differently around the swap nodes, so it is compared within a tolerance.
-    same = all(torch.equal(a, b) if args.inner == "aot_eager" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-               for a, b in zip(expected, got))
+    same = all(torch.equal(a, b) if args.inner == "aot_eager"
+               else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+               for a, b in zip(expected, got, strict=True))
     assert same, (expected, got)
     assert stats.swap_outs > 0 and stats.host_bytes_in_use == 0, stats
     print(f"inner={args.inner}; swap-outs: {stats.swap_outs}; bytes out: {stats.swapped_out_bytes}")

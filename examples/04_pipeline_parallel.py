@@ -84,7 +84,7 @@ def main() -> int:
     swapped = copy.deepcopy(plain)
     expected = train_step(plain, rank, world)
     got, swap_outs = swapped_step(swapped, rank, world)
-    same = all(torch.equal(a, b) for a, b in zip(expected, got))
+    same = all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     ok = torch.tensor([int(same and swap_outs > 0)])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     print(f"rank {rank}: gradients bitwise equal: {same}; groups swapped out: {swap_outs}")

@@ -60,7 +60,7 @@ def main() -> int:
         print(f"stage after 8 steps: {smart.stage}")
         print(smart)  # one line; smart.policy.summary() describes the plan
         print(smart.policy.summary())
-    assert all(torch.equal(a, b) for a, b in zip(expected, got)), (expected, got)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (expected, got)
     stats = swap_pass.swap_stats()
     assert stats.swap_outs > 0 and stats.host_bytes_in_use == 0, stats
     print(f"budget {budget} bytes; swap-outs: {stats.swap_outs}")

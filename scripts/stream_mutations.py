@@ -36,7 +36,8 @@ OPS = "swap_pass/graph/ops.py"
 MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
     "none": [],
     "producer_waits": [
-        (ST, "        ds.wait(stream, ds.record_event(ds.compute_stream()))\n", "        pass\n", 1),
+        (ST, "        ds.wait(stream, ds.record_event(ds.compute_stream()))\n",
+         "        pass\n", 1),
         (OPS, "    ds.wait(stream, ready)\n", "", 2),
     ],
     "release_events": [
@@ -73,7 +74,8 @@ def _mutate(tree: Path, edits: list[tuple[str, str, str, int]]) -> None:
         source = path.read_text()
         found = source.count(text)
         if found != count:
-            sys.exit(f"stream_mutations: {name}: expected {count} match(es) of {text!r}, found {found}")
+            sys.exit(f"stream_mutations: {name}: expected {count} match(es) of {text!r}, "
+                     f"found {found}")
         path.write_text(source.replace(text, replacement))
 
 

@@ -1,4 +1,5 @@
-"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan``, ``capacity`` (also ``python -m swap_pass``)."""
+"""The ``swap-pass`` command line: ``demo``, ``bench``, ``plan``, ``capacity`` (also
+``python -m swap_pass``)."""
 
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ __all__ = ["build_parser", "main"]
 
 _DESCRIPTION = ("swap_pass command line: demo (a small model trained with and without swap), "
                 "bench (methods side by side), plan (bytes and copy-vs-compute estimates; with "
-                "--device-memory the largest size per method), capacity (the largest batch, sequence or "
-                "hidden size each method trains under a device-memory cap, measured). "
+                "--device-memory the largest size per method), capacity (the largest batch, "
+                "sequence or hidden size each method trains under a device-memory cap, measured). "
                 "Also runs as: python -m swap_pass.")
 
 
@@ -39,7 +40,8 @@ def _add_sizes(p: argparse.ArgumentParser, bench: bool) -> None:
     p.add_argument("--layers", type=int, help="number of layers " + default(base.model.num_layers))
     p.add_argument("--seq", type=int, help="sequence length " + default(base.seq))
     p.add_argument("--batch", type=int, help="micro-batch size " + default(base.batch))
-    p.add_argument("--device", help="cpu, cuda, npu... (default: the accelerator if one is present, else cpu)")
+    p.add_argument("--device",
+                   help="cpu, cuda, npu... (default: the accelerator if one is present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op CPU threads while measuring, fixed so runs compare (default: 1)")
@@ -54,8 +56,8 @@ def _add_demo(sub) -> None:
                        "the losses match no swap bitwise.")
     _add_sizes(p, bench=False)
     p.add_argument("--steps", type=int,
-                   help=f"training steps per row, at least 3: 1 warm-up, the rest timed but the last, "
-                   f"which is profiled (default: {DEFAULT_STEPS})")
+                   help="training steps per row, at least 3: 1 warm-up, the rest timed but the "
+                   f"last, which is profiled (default: {DEFAULT_STEPS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -67,12 +69,16 @@ def _add_bench(sub) -> None:
                        description="Every method side by side on one model, seed and data: memory, "
                        "wall and CPU time, losses against the reference, copy bandwidth.")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an accelerator)")
+                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an "
+                   "accelerator)")
     _add_sizes(p, bench=True)
-    p.add_argument("--methods", help="comma list of " + ",".join(m.key for m in METHODS) + " (default: all)")
+    p.add_argument("--methods",
+                   help="comma list of " + ",".join(m.key for m in METHODS) + " (default: all)")
     tiny = get_preset("tiny")
-    p.add_argument("--steps", type=int, help=f"timed steps (default: the preset's; {tiny.timed_steps} for tiny)")
-    p.add_argument("--warmup", type=int, help=f"warm-up steps (default: the preset's; {tiny.warmup_steps} for tiny)")
+    p.add_argument("--steps", type=int,
+                   help=f"timed steps (default: the preset's; {tiny.timed_steps} for tiny)")
+    p.add_argument("--warmup", type=int,
+                   help=f"warm-up steps (default: the preset's; {tiny.warmup_steps} for tiny)")
     p.add_argument("--compile-inner", help="inner compiler of the compile rows "
                    "(default: inductor on an accelerator, aot_eager on CPU)")
     p.add_argument("--smart-budget", type=float, default=0.25,
@@ -86,12 +92,15 @@ def _add_bench(sub) -> None:
                    help="also a megatron-core GPTModel: swap_pass vs Megatron's fine-grained "
                    "offloading vs full recompute vs none (needs megatron-core and CUDA)")
     p.add_argument("--json", metavar="PATH",
-                   help="write the full report as JSON, and the memory plot beside it (PATH with .png)")
-    p.add_argument("--plot", metavar="PATH", help="draw memory over one step per method to PATH (PNG)")
+                   help="write the full report as JSON, and the memory plot beside it "
+                   "(PATH with .png)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw memory over one step per method to PATH (PNG)")
 
 
 def _add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="bytes swapped, host memory needed, and whether copies hide behind compute")
+    p = sub.add_parser("plan", help="bytes swapped, host memory needed, and whether copies hide "
+                       "behind compute")
     p.add_argument("--hidden", type=int, required=True)
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--layers", type=int, required=True)
@@ -99,42 +108,52 @@ def _add_plan(sub) -> None:
     p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32, fp8 (default: bf16)")
     p.add_argument("--bandwidth", type=float, default=25.0, help="host<->device GB/s (default: 25)")
     p.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s (default: 300)")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches in flight, PP (default: 1)")
-    p.add_argument("--no-recompute", action="store_true", help="layers are not recomputed in backward")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches in flight, PP (default: 1)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="layers are not recomputed in backward")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-' for stdout)")
-    p.add_argument("--device-memory", help="also plan the largest size per method under this much device "
-                   "memory (bytes, or with a unit: 64GiB, 80GB)")
+    p.add_argument("--device-memory", help="also plan the largest size per method under this "
+                   "much device memory (bytes, or with a unit: 64GiB, 80GB)")
     p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch",
                    help="size planned with --device-memory (default: batch)")
     p.add_argument("--heads", type=int, help="attention heads (default: hidden / 128)")
-    p.add_argument("--intermediate", type=int, help="MLP width (default: 3.5 x hidden, as Llama-3-8B)")
-    p.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default: 128256, Llama 3)")
-    p.add_argument("--optimizer", default="sgd", help="sgd, sgd-momentum, adam (states in the parameter "
-                   "dtype), adam-mixed (fp32 master weights and states) (default: sgd)")
-    p.add_argument("--host-memory", help="host memory the swapping methods may use (default: what this "
-                   "machine has available now)")
+    p.add_argument("--intermediate", type=int,
+                   help="MLP width (default: 3.5 x hidden, as Llama-3-8B)")
+    p.add_argument("--vocab", type=int, default=128256,
+                   help="vocabulary size (default: 128256, Llama 3)")
+    p.add_argument("--optimizer", default="sgd", help="sgd, sgd-momentum, adam (states in the "
+                   "parameter dtype), adam-mixed (fp32 master weights and states) (default: sgd)")
+    p.add_argument("--host-memory", help="host memory the swapping methods may use (default: "
+                   "what this machine has available now)")
 
 
 def _add_capacity(sub) -> None:
     from swap_pass.bench.presets import PRESETS
 
-    p = sub.add_parser("capacity", help="largest batch/seq/hidden each method trains under a device-memory cap",
-                       description="For each method, search (exponential steps from the planner's answer, "
-                       "then binary) the largest size whose training step runs within the cap, and print "
-                       "its peak, the planner's peak, step and CPU time, and whether its losses equal no "
-                       "swap's. On CPU the cap is virtual (measured peaks compared with it); on an "
-                       "accelerator it is enforced by the allocator.")
+    p = sub.add_parser("capacity",
+                       help="largest batch/seq/hidden each method trains under a device-memory cap",
+                       description="For each method, search (exponential steps from the planner's "
+                       "answer, then binary) the largest size whose training step runs within the "
+                       "cap, and print its peak, the planner's peak, step and CPU time, and "
+                       "whether its losses equal no swap's. On CPU the cap is virtual (measured "
+                       "peaks compared with it); on an accelerator it is enforced by the "
+                       "allocator.")
     p.add_argument("--device-memory", help="the cap: bytes, or with a unit (64MiB, 80GiB) "
                    "(default: the device's total memory)")
-    p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch", help="size searched (default: batch)")
+    p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch",
+                   help="size searched (default: batch)")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an accelerator)")
+                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an "
+                   "accelerator)")
     _add_sizes(p, bench=True)
-    p.add_argument("--methods", help="comma list of bench methods (default: no_swap,recompute,eager_swap,smartswap)")
-    p.add_argument("--max-host-bytes", help="host memory the swapping methods may hold (default: what the "
-                   "machine has available now)")
+    p.add_argument("--methods", help="comma list of bench methods "
+                   "(default: no_swap,recompute,eager_swap,smartswap)")
+    p.add_argument("--max-host-bytes", help="host memory the swapping methods may hold "
+                   "(default: what the machine has available now)")
     p.add_argument("--search-max", type=int, default=1 << 16,
-                   help="largest size tried, in units of --dim (hidden: 2 x heads) (default: 65536)")
+                   help="largest size tried, in units of --dim (hidden: 2 x heads) "
+                   "(default: 65536)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-' for stdout)")
 
 
@@ -150,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sizes(args: argparse.Namespace) -> dict:
-    out = {"hidden_size": args.hidden, "num_layers": args.layers, "seq": args.seq, "batch": args.batch}
+    out = {"hidden_size": args.hidden, "num_layers": args.layers, "seq": args.seq,
+           "batch": args.batch}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -195,7 +215,8 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     preset = _bench_preset(args, device)
     ctx = BenchContext(device, args.compile_inner or default_compile_inner())
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
-    report = run_bench(preset, ctx, methods=methods, seed=args.seed, smart_budget_fraction=args.smart_budget,
+    report = run_bench(preset, ctx, methods=methods, seed=args.seed,
+                       smart_budget_fraction=args.smart_budget,
                        command=shlex.join(["swap-pass", *argv]), smart_rows=not args.no_smart_rows,
                        host_rows=not args.no_host_rows, threads=args.threads,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
@@ -242,7 +263,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.device_memory:
         print(_plan_capacity(args))
     if args.json:
-        data = {"inputs": dataclasses.asdict(inputs), "result": {**dataclasses.asdict(result), "hides": result.hides}}
+        data = {"inputs": dataclasses.asdict(inputs),
+                "result": {**dataclasses.asdict(result), "hides": result.hides}}
         text = json.dumps(data, indent=2)
         if args.json == "-":
             print(text)
@@ -263,15 +285,19 @@ def _plan_capacity(args: argparse.Namespace) -> str:
         raise ValueError(f"swap_pass.plan: dtype={args.dtype!r} has no memory model. "
                          "It must be fp32, bf16 or fp16 with --device-memory.")
     heads = args.heads or max(1, args.hidden // 128)
-    model = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-                        intermediate_size=args.intermediate or int(3.5 * args.hidden), max_seq_len=args.seq)
+    model = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                        num_heads=heads,
+                        intermediate_size=args.intermediate or int(3.5 * args.hidden),
+                        max_seq_len=args.seq)
     preset = BenchPreset("plan", model, batch=args.batch, seq=args.seq, dtype=args.dtype)
     cap = parse_bytes(args.device_memory)
     host = parse_bytes(args.host_memory) if args.host_memory else available_host_bytes()
-    rows = plan_capacity(preset, args.dim, cap, host, optimizer=args.optimizer, micro_batches=args.micro_batches)
-    what = (f"hidden={args.hidden} layers={args.layers} heads={heads} intermediate={model.intermediate_size} "
-            f"vocab={args.vocab} seq={args.seq} batch={args.batch} dtype={args.dtype} optimizer={args.optimizer} "
-            f"micro_batches={args.micro_batches}")
+    rows = plan_capacity(preset, args.dim, cap, host, optimizer=args.optimizer,
+                         micro_batches=args.micro_batches)
+    what = (f"hidden={args.hidden} layers={args.layers} heads={heads} "
+            f"intermediate={model.intermediate_size} "
+            f"vocab={args.vocab} seq={args.seq} batch={args.batch} dtype={args.dtype} "
+            f"optimizer={args.optimizer} micro_batches={args.micro_batches}")
     return format_planned(rows, cap, host, args.dim, what)
 
 
@@ -288,7 +314,8 @@ def _run_capacity(args: argparse.Namespace, argv: list[str]) -> int:
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     report = run_capacity(preset, device, cap, dim=args.dim, methods=methods, host_limit_bytes=host,
                           seed=args.seed, threads=args.threads, limit=args.search_max,
-                          compile_inner=default_compile_inner(), command=shlex.join(["swap-pass", *argv]),
+                          compile_inner=default_compile_inner(),
+                          command=shlex.join(["swap-pass", *argv]),
                           progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True))
     print(format_capacity(report))
     if args.json:

@@ -89,7 +89,8 @@ class MLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block: ``forward(hidden_states, cos, sin) -> hidden_states``."""
+    """Pre-norm attention + SwiGLU MLP block:
+    ``forward(hidden_states, cos, sin) -> hidden_states``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -98,7 +99,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
         h = hidden_states + self.attn(self.input_norm(hidden_states), cos, sin)
         return h + self.mlp(self.post_norm(h))
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["DTYPE_BYTES", "PlanInputs", "PlanResult", "format_plan", "layer_forward_flops", "simulate"]
+__all__ = ["DTYPE_BYTES", "PlanInputs", "PlanResult", "format_plan", "layer_forward_flops",
+           "simulate"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 
@@ -59,14 +60,17 @@ class PlanInputs:
         for name in ("hidden", "seq", "layers", "batch", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"swap_pass.plan: {name}={value!r} is invalid. It must be an int >= 1.")
+                raise ValueError(
+                    f"swap_pass.plan: {name}={value!r} is invalid. It must be an int >= 1.")
         for name in ("bandwidth_gbs", "tflops"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"swap_pass.plan: {name}={value!r} is invalid. It must be a number > 0.")
+                raise ValueError(
+                    f"swap_pass.plan: {name}={value!r} is invalid. It must be a number > 0.")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(
-                f"swap_pass.plan: dtype={self.dtype!r} is unknown. It must be one of {sorted(DTYPE_BYTES)}."
+                f"swap_pass.plan: dtype={self.dtype!r} is unknown. "
+                f"It must be one of {sorted(DTYPE_BYTES)}."
             )
 
 
@@ -103,7 +107,8 @@ def layer_forward_flops(batch: int, seq: int, hidden: int) -> float:
 
 
 def _smart_simulation(p: PlanInputs, per_layer: int, t_fwd: float, t_bwd: float) -> dict:
-    """Stall and peak of one micro-batch's step from SmartSwap's simulator, if it is in the build."""
+    """Stall and peak of one micro-batch's step from SmartSwap's simulator, if it is in the
+    build."""
     try:
         from swap_pass.smart.simulator import simulate as smart_simulate
     except ImportError:
@@ -112,8 +117,8 @@ def _smart_simulation(p: PlanInputs, per_layer: int, t_fwd: float, t_bwd: float)
     swap = [per_layer] * (n - 1) + [0]  # the last layer's input stays on the device
     resident = [0] * (n - 1) + [per_layer]
     bw = p.bandwidth_gbs * 1e9
-    sim = smart_simulate([t_fwd] * n, [t_bwd] * n, resident, swap, d2h_bandwidth=bw, h2d_bandwidth=bw,
-                         prefetch_depth=1)
+    sim = smart_simulate([t_fwd] * n, [t_bwd] * n, resident, swap, d2h_bandwidth=bw,
+                         h2d_bandwidth=bw, prefetch_depth=1)
     return {"sim_stall_s": sim.stall_s, "sim_peak_bytes": sim.peak_bytes,
             "sim_source": "swap_pass.smart.simulator.simulate"}
 
@@ -177,7 +182,8 @@ def format_plan(inputs: PlanInputs, result: PlanResult) -> str:
     bwd = "backward + recompute" if p.recompute else "backward"
     rows = [
         ("layer input (b*s*h*bytes)", _mib(r.layer_input_bytes)),
-        ("layers swapped (all but the last)", f"{r.swapped_layers} x {p.micro_batches} micro-batch(es)"),
+        ("layers swapped (all but the last)",
+         f"{r.swapped_layers} x {p.micro_batches} micro-batch(es)"),
         ("host memory needed (pinned)", _mib(r.host_bytes_needed)),
         ("layer inputs on device, no swap", f"{r.resident_inputs_without_swap}"),
         ("layer inputs on device, swap", f"<= {r.resident_inputs_with_swap}"),

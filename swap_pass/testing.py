@@ -88,7 +88,8 @@ class StreamRaceError(AssertionError):
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with poison in place: NaN for floating and complex dtypes, all-ones bytes otherwise."""
+    """Fill ``t`` with poison in place: NaN for floating and complex dtypes, all-ones bytes
+    otherwise."""
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         if t.dtype.is_floating_point or t.dtype.is_complex:
             t.fill_(float("nan"))
@@ -129,7 +130,8 @@ class _Side:
         if storage is None:
             return None
         if all(self.size):  # not empty: every element must still be there
-            last = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+            last = self.offset + sum((n - 1) * s
+                                     for n, s in zip(self.size, self.stride, strict=True))
             if storage.nbytes() < (last + 1) * self.dtype.itemsize:
                 return None
         return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
@@ -162,7 +164,8 @@ class ModelStream:
         device: The fake device's index. Default: ``0``.
     """
 
-    def __init__(self, model: StreamModel, name: str, is_compute: bool = False, device: int = 0) -> None:
+    def __init__(self, model: StreamModel, name: str, is_compute: bool = False,
+                 device: int = 0) -> None:
         self.model = model
         self.name = name
         self.is_compute = is_compute

@@ -36,7 +36,8 @@ def pytest_addoption(parser):
 
 
 def stream_model_requested(config) -> bool:
-    return config.getoption("--stream-model") or os.environ.get(STREAM_MODEL_ENV, "") not in ("", "0")
+    return (config.getoption("--stream-model")
+            or os.environ.get(STREAM_MODEL_ENV, "") not in ("", "0"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""The README's Python snippets run as written (a newcomer copies them first), and say true things."""
+"""The README's Python snippets run as written (a newcomer copies them first), and say true
+things."""
 
 from __future__ import annotations
 
@@ -80,5 +81,5 @@ def test_symbolic_trace_of_bundled_model_matches_eager_bitwise() -> None:
     expected = model(ids, labels)
     expected.backward()
     assert torch.equal(loss, expected)
-    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))
     assert swap_pass.swap_stats().swap_outs == 2

@@ -53,8 +53,9 @@ def demo_preset(*, hidden: int | None = None, layers: int | None = None, seq: in
 def _cells(r: MethodResult) -> list[str]:
     match = "(reference)" if r.losses_match is None else ("yes (bitwise)" if r.losses_match
                                                          else f"NO ({r.max_loss_diff:.1e})")
-    return [r.label, mib(r.peak_bytes), mib(r.peak_device_bytes_released) if r.peak_device_bytes_released
-            else "-", ms(r.step_s), ms(r.cpu_s), match]
+    return [r.label, mib(r.peak_bytes),
+            mib(r.peak_device_bytes_released) if r.peak_device_bytes_released else "-",
+            ms(r.step_s), ms(r.cpu_s), match]
 
 def format_demo(report: BenchReport, preset: BenchPreset, device: torch.device) -> str:
     """The demo's table, what its columns mean on this device, and the load caveat if any."""
@@ -65,7 +66,8 @@ def format_demo(report: BenchReport, preset: BenchPreset, device: torch.device) 
     head = ["", "peak MiB", "freed by swap MiB", "step ms", "CPU ms", "losses match no swap"]
     m = preset.model
     return "\n".join([
-        f"model: {m.num_layers} layers, hidden {m.hidden_size}, batch {preset.batch}, seq {preset.seq}, "
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, batch {preset.batch}, "
+        f"seq {preset.seq}, "
         f"{preset.dtype}, on {device}, {report.meta.get('threads', '?')} intra-op thread(s)",
         format_rows(rows, head, _cells),
         mem,
@@ -85,9 +87,9 @@ def run_demo(preset: BenchPreset, device: torch.device, seed: int = 0, progress:
     steps_per_method = preset.warmup_steps + preset.timed_steps + 1
     bar = _progress_bar(steps_per_method * len(DEMO_METHODS), progress)
     ctx = BenchContext(device, default_compile_inner())
-    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False, host_rows=False,
-                       threads=threads, progress=lambda label: bar.set_description(label),
-                       on_step=bar.update)
+    report = run_bench(preset, ctx, methods=DEMO_METHODS, seed=seed, smart_rows=False,
+                       host_rows=False, threads=threads,
+                       progress=lambda label: bar.set_description(label), on_step=bar.update)
     bar.close()
     return report
 

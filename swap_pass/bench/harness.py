@@ -184,8 +184,10 @@ def _fill(result: MethodResult, trainer: _Trainer, times: _Times, prof: StepProf
     result.step_s, result.step_times_s = statistics.median(times.wall), times.wall
     result.cpu_s, result.cpu_times_s = statistics.median(times.cpu), times.cpu
     result.pace_times_s, result.pace_cpu_times_s = times.pace, times.pace_cpu
-    result.paired_ratios = [w / p for w, p in zip(times.wall, times.pace)]
-    result.paired_cpu_ratios = [c / p for c, p in zip(times.cpu, times.pace_cpu) if p > 0]
+    # times.pace is empty when there is no pace setter: no paired ratios then.
+    result.paired_ratios = [w / p for w, p in zip(times.wall, times.pace, strict=False)]
+    result.paired_cpu_ratios = [c / p for c, p in zip(times.cpu, times.pace_cpu, strict=False)
+                                if p > 0]
     result.tokens_per_s = trainer.preset.tokens_per_step / result.step_s
     result.peak_bytes, result.peak_source = prof.peak_bytes, prof.peak_source
     result.curve_ms, result.curve_bytes = prof.curve_ms, prof.curve_bytes

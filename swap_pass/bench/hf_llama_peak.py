@@ -45,7 +45,8 @@ def hf_llama_step_peak(backend: str | Callable, *, checkpoint: bool, layers: int
 
     device = torch.device(device)
     model = _hf_llama(layers, hidden, seq, vocab, checkpoint, device)
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(0, vocab, (batch, seq),
+                        generator=torch.Generator().manual_seed(0)).to(device)
     torch._dynamo.reset()
     swap_pass.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)

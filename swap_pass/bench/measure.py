@@ -186,7 +186,8 @@ def _device_start(device: torch.device) -> int:
 
 # Kineto prints "USDT: ... profiler_start" / "profiler_stop" and "STAGE: ... Completed Stage"
 # lines from C++ for every profiled region, whatever KINETO_LOG_LEVEL says. They may follow text
-# with no newline of its own (a progress bar redrawn with "\r"), so they are cut wherever they start.
+# with no newline of its own (a progress bar redrawn with "\r"), so they are cut wherever they
+# start.
 _PROFILER_CHATTER = re.compile(r"(USDT|STAGE):[^\n]*(profiler_st(art|op)|Completed Stage)[^\n]*\n?")
 
 
@@ -212,7 +213,7 @@ def quiet_profiler() -> Iterator[None]:
 
 
 def _restore(saved: list, files: list, replay: bool) -> None:
-    for (fd, copy, stream), tmp in zip(saved, files):
+    for (fd, copy, stream), tmp in zip(saved, files, strict=True):
         stream.flush()
         os.dup2(copy, fd)
         os.close(copy)
@@ -236,7 +237,8 @@ def profile_step(device: torch.device, step: Callable[[], None]) -> StepProfile:
     times, values = _memory_curve(events, device, t0)
     if device.type == "cpu":
         d2h, h2d = _cpu_swap_copies(events)
-        peak, source = max(values), "CPU allocator bytes above step start (torch.profiler memory events)"
+        peak, source = (max(values),
+                        "CPU allocator bytes above step start (torch.profiler memory events)")
     else:
         d2h, h2d = _device_copies(prof)
         peak = torch.accelerator.max_memory_allocated(device) - start
@@ -264,7 +266,8 @@ def warm_step_peak(device: torch.device, step: Callable[[], None],
     if swap_stats().host_allocations != allocations:
         raise RuntimeError(
             "swap_pass.bench.warm_step_peak: the profiled step allocated host buffers after a "
-            "warm-up step; its peak would count them. The step must swap the same tensors each time."
+            "warm-up step; its peak would count them. The step must swap the same tensors each "
+            "time."
         )
     return peak
 
@@ -292,11 +295,11 @@ def anchor_bandwidth(device: torch.device, chunk_bytes: int, chunks: int,
     total = chunk_bytes * chunks
 
     def d2h() -> None:
-        for h, d in zip(host, dev):
+        for h, d in zip(host, dev, strict=True):
             h.copy_(d, non_blocking=pin)
 
     def h2d() -> None:
-        for h, d in zip(host, dev):
+        for h, d in zip(host, dev, strict=True):
             d.copy_(h, non_blocking=pin)
 
     d2h(), h2d()  # warm-up: first touch of the pages

@@ -112,7 +112,8 @@ def _model(method: str, sizes: MegatronBenchSizes, device: torch.device, seed: i
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = GPTModel(config=_config(method, sizes), transformer_layer_spec=get_gpt_layer_local_spec(),
+    model = GPTModel(config=_config(method, sizes),
+                     transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=sizes.vocab, max_sequence_length=sizes.seq,
                      position_embedding_type="rope")
     return model.to(device)
@@ -199,7 +200,7 @@ def _run_method(method: str, sizes: MegatronBenchSizes, device: torch.device, se
 def _exact(row: dict, ref: dict) -> bool | None:
     if row.get("status") != "ok" or ref.get("status") != "ok":
         return None
-    return (all(torch.equal(a, b) for a, b in zip(row["_losses"], ref["_losses"]))
+    return (all(torch.equal(a, b) for a, b in zip(row["_losses"], ref["_losses"], strict=True))
             and row["_grads"].keys() == ref["_grads"].keys()
             and all(torch.equal(row["_grads"][n], ref["_grads"][n]) for n in ref["_grads"]))
 

@@ -18,7 +18,8 @@ from torch import nn
 from swap_pass.config import SwapConfig
 from swap_pass.runtime.device import accelerator_type
 
-__all__ = ["METHODS", "BenchContext", "Method", "MethodSkipped", "Runner", "default_compile_inner", "require"]
+__all__ = ["METHODS", "BenchContext", "Method", "MethodSkipped", "Runner", "default_compile_inner",
+           "require"]
 
 
 class MethodSkipped(Exception):
@@ -91,7 +92,8 @@ def require(module: str, name: str) -> object:
         if top != "swap_pass" and getattr(err, "name", "") and err.name.split(".")[0] == top:
             raise MethodSkipped(f"{top} is not installed (pip install {top}); {module}.{name} "
                                 "cannot be imported") from None
-        raise MethodSkipped(f"{module}.{name} not available in this build ({type(err).__name__})") from None
+        raise MethodSkipped(
+            f"{module}.{name} not available in this build ({type(err).__name__})") from None
     if not hasattr(mod, name):
         raise MethodSkipped(f"{module}.{name} not available in this build")
     return getattr(mod, name)
@@ -126,7 +128,8 @@ def _compile_budget(model: nn.Module, ctx: BenchContext) -> Runner:
     return _compiled(make_swap_backend(inner=ctx.compile_inner, memory_budget=0.5))(model)
 
 
-def _with_context(model: nn.Module, make_ctx: Callable[[], contextlib.AbstractContextManager]) -> Runner:
+def _with_context(model: nn.Module,
+                  make_ctx: Callable[[], contextlib.AbstractContextManager]) -> Runner:
     def forward(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with make_ctx():
             return model(input_ids, labels)
@@ -153,7 +156,8 @@ def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
 def _smartswap(model: nn.Module, ctx: BenchContext) -> Runner:
     smart_cls = require("swap_pass", "SmartSwap")
     if ctx.smart_budget_bytes is None:
-        raise MethodSkipped("SmartSwap's budget is a fraction of the no-swap peak; run the no_swap row too")
+        raise MethodSkipped("SmartSwap's budget is a fraction of the no-swap peak; "
+                            "run the no_swap row too")
     smart = smart_cls(model, memory_budget=ctx.smart_budget_bytes, config=ctx.swap_config)
     smart.__enter__()
 
@@ -186,5 +190,6 @@ METHODS: list[Method] = [
 
 
 def default_compile_inner() -> str:
-    """``"inductor"`` on an accelerator; ``"aot_eager"`` on CPU, where inductor's C++ build is slow."""
+    """``"inductor"`` on an accelerator; ``"aot_eager"`` on CPU, where inductor's C++ build is
+    slow."""
     return "inductor" if accelerator_type() != "cpu" else "aot_eager"

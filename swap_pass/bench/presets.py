@@ -22,7 +22,8 @@ class BenchPreset:
         model: Model sizes.
         batch: Micro-batch size. Default: ``2``.
         seq: Sequence length. Default: ``256``.
-        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for weights and activations. Default: ``"fp32"``.
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for weights and activations.
+            Default: ``"fp32"``.
         warmup_steps: Untimed steps first (allocator, pool and compile warm-up). Default: ``2``.
         timed_steps: Steps whose wall time is measured. Default: ``3``.
         note: What the preset is for. Default: ``""``.
@@ -54,7 +55,8 @@ class BenchPreset:
         return self.batch * self.seq
 
     def resized(self, **changes) -> BenchPreset:
-        """A copy with model fields (``hidden_size``, ``num_layers``...) or preset fields changed."""
+        """A copy with model fields (``hidden_size``, ``num_layers``...) or preset fields
+        changed."""
         model_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         model_changes = {k: v for k, v in changes.items() if k in model_fields}
         own = {k: v for k, v in changes.items() if k not in model_fields}
@@ -69,7 +71,8 @@ PRESETS: dict[str, BenchPreset] = {
                           intermediate_size=88, max_seq_len=1024),
         batch=4, seq=256, dtype="fp32", warmup_steps=1, timed_steps=3,
         note="CPU default: 6 layers, hidden 32, seq 256: compile time grows with the layer count, "
-             "so the four compile rows fit in the bench's minute on 2 cores; a layer input (128 KiB) "
+             "so the four compile rows fit in the bench's minute on 2 cores; "
+             "a layer input (128 KiB) "
              "is 2.6x a layer's parameter gradients, which compiled backward holds all at once, so "
              "what swap removes shows in the compiled peaks too",
     ),
@@ -91,5 +94,6 @@ def get_preset(name: str) -> BenchPreset:
         ValueError: naming the known presets.
     """
     if name not in PRESETS:
-        raise ValueError(f"swap_pass.bench: preset {name!r} is unknown. It must be one of {sorted(PRESETS)}.")
+        raise ValueError(f"swap_pass.bench: preset {name!r} is unknown. "
+                         f"It must be one of {sorted(PRESETS)}.")
     return PRESETS[name]

@@ -182,7 +182,8 @@ def _load() -> float | None:
 
 
 def select_methods(keys: Iterable[str] | None) -> list[Method]:
-    """The methods named by ``keys`` in :data:`METHODS` order, no swap always among them (None: all).
+    """The methods named by ``keys`` in :data:`METHODS` order, no swap always among them
+    (None: all).
 
     Raises:
         ValueError: naming the unknown keys and the known ones.
@@ -212,7 +213,8 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         threads: Intra-op threads while measuring (None: as set). Default: ``1``.
     """
     with intra_op_threads(threads):
-        report = _run(preset, ctx, select_methods(methods), seed, smart_budget_fraction, progress, on_step)
+        report = _run(preset, ctx, select_methods(methods), seed, smart_budget_fraction, progress,
+                      on_step)
         report.meta.update(command=command, threads=torch.get_num_threads())
         with quiet_profiler():  # SmartSwap's rows run torch.profiler too
             report.extra = smart_extra_rows() if smart_rows else \

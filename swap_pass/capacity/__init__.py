@@ -1,10 +1,13 @@
 """How much bigger can a model train: capacity under a device-memory cap, measured and planned.
 
-* :mod:`~swap_pass.capacity.model`: predicted bytes of a training step per method (the memory model).
+* :mod:`~swap_pass.capacity.model`: predicted bytes of a training step per method (the memory
+  model).
 * :mod:`~swap_pass.capacity.search`: the largest size that fits (exponential, then binary).
-* :mod:`~swap_pass.capacity.planned`: that search over the memory model (``swap-pass plan --device-memory``).
+* :mod:`~swap_pass.capacity.planned`: that search over the memory model
+  (``swap-pass plan --device-memory``).
 * :mod:`~swap_pass.capacity.measured`: that search over measured steps (``swap-pass capacity``).
-* :mod:`~swap_pass.capacity.limits`: the device-memory cap (real or virtual), host memory, sizes in bytes.
+* :mod:`~swap_pass.capacity.limits`: the device-memory cap (real or virtual), host memory, sizes
+  in bytes.
 * :mod:`~swap_pass.capacity.report`: their tables and the JSON file.
 
 See ``docs/capacity.md``.

@@ -20,12 +20,14 @@ import torch
 
 __all__ = ["available_host_bytes", "device_memory_cap", "device_total_bytes", "parse_bytes"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """``"64MiB"`` -> 67108864; plain integers are bytes; KB/MB/GB are powers of 10, KiB/MiB/GiB of 2.
+    """``"64MiB"`` -> 67108864; plain integers are bytes; KB/MB/GB are powers of 10, KiB/MiB/GiB
+    of 2.
 
     Raises:
         ValueError: naming the accepted forms.
@@ -33,8 +35,9 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise ValueError(f"swap_pass.capacity: memory size {text!r} is invalid. It must be a positive number of "
-                         "bytes, optionally with a unit: KB, MB, GB (10^3...) or KiB, MiB, GiB (2^10...).")
+        raise ValueError(f"swap_pass.capacity: memory size {text!r} is invalid. "
+                         "It must be a positive number of bytes, optionally with a unit: "
+                         "KB, MB, GB (10^3...) or KiB, MiB, GiB (2^10...).")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -80,8 +83,9 @@ def device_memory_cap(device: torch.device, cap_bytes: int) -> Iterator[bool]:
     module = torch.get_device_module(device.type)
     setter = getattr(module, "set_per_process_memory_fraction", None)
     if setter is None:
-        raise ValueError(f"swap_pass.capacity: torch.{device.type} has no set_per_process_memory_fraction, "
-                         "so the device memory cannot be capped. It must have one for a real cap.")
+        raise ValueError(f"swap_pass.capacity: torch.{device.type} has no "
+                         "set_per_process_memory_fraction, so the device memory cannot be capped. "
+                         "It must have one for a real cap.")
     index = device.index if device.index is not None else torch.accelerator.current_device_index()
     total = device_total_bytes(torch.device(device.type, index))
     setter(min(cap_bytes / total, 1.0), index)

@@ -1,4 +1,5 @@
-"""``swap-pass capacity``: the largest batch, sequence or hidden size each method trains under a cap.
+"""``swap-pass capacity``: the largest batch, sequence or hidden size each method trains under a
+cap.
 
 Each probe of the search (:func:`swap_pass.capacity.search.largest_fitting`) is the bench's own
 measurement of one method at one size (:func:`swap_pass.bench.harness.run_method`: a fresh model,
@@ -105,9 +106,9 @@ class CapacityReport:
         return next(r for r in self.rows if r.method == method)
 
     def to_json(self) -> dict:
-        return {"device_memory": self.device_memory, "dim": self.dim, "virtual_cap": self.virtual_cap,
-                "host_limit_bytes": self.host_limit_bytes, "rows": [r.to_json() for r in self.rows],
-                "meta": self.meta}
+        return {"device_memory": self.device_memory, "dim": self.dim,
+                "virtual_cap": self.virtual_cap, "host_limit_bytes": self.host_limit_bytes,
+                "rows": [r.to_json() for r in self.rows], "meta": self.meta}
 
 
 class _MethodSkipped(Exception):
@@ -140,17 +141,21 @@ class _Search:
             if self.progress is not None:
                 why = f"{probe.limited_by}: {probe.reason}" if probe.reason else probe.limited_by
                 verdict = "fits" if probe.fits else f"does not fit ({why})"
-                peak = "" if probe.peak_bytes is None else f": peak {probe.peak_bytes / 2**20:,.1f} MiB"
+                peak = ("" if probe.peak_bytes is None
+                        else f": peak {probe.peak_bytes / 2**20:,.1f} MiB")
                 self.progress(f"{method.key} {self.dim} {probe.size}{peak}, {verdict}")
         return self.probes[key]
 
     def _run(self, method: Method, units: int) -> Probe:
         size, shape = units * dim_quantum(self.preset, self.dim), self.shape(units)
         budget = smart_budget(shape, self.cap) if method.key == "smartswap" else None
-        if method.key in METHOD_LABELS and method_memory(shape, method.key, budget).host_bytes > self.host_limit:
-            return Probe(size, False, limited_by="host", reason="planned host bytes pass the host limit; not run")
+        if (method.key in METHOD_LABELS
+                and method_memory(shape, method.key, budget).host_bytes > self.host_limit):
+            return Probe(size, False, limited_by="host",
+                         reason="planned host bytes pass the host limit; not run")
         if budget is not None and budget <= 0:
-            return Probe(size, False, limited_by="device", reason="no SmartSwap budget left under the cap; not run")
+            return Probe(size, False, limited_by="device",
+                         reason="no SmartSwap budget left under the cap; not run")
         return self._measure(method, size, units, budget)
 
     def _measure(self, method: Method, size: int, units: int, budget: int | None) -> Probe:
@@ -159,11 +164,14 @@ class _Search:
         ctx = BenchContext(self.device, self.compile_inner, smart_budget_bytes=budget,
                            swap_config=SwapConfig(max_host_bytes=self.host_limit))
         preset = sized_preset(self.preset, self.dim, units).resized(timed_steps=1)
-        with warnings.catch_warnings():  # past the largest size SmartSwap says its budget is unreachable
-            warnings.filterwarnings("ignore", message=r"swap_pass\.SmartSwap: memory_budget", category=RuntimeWarning)
+        # Past the largest size SmartSwap says its budget is unreachable.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"swap_pass\.SmartSwap: memory_budget",
+                                    category=RuntimeWarning)
             try:
                 result = run_method(method, preset, ctx, self.seed, on_error=errors.append)
-            except torch.OutOfMemoryError as err:  # the model itself did not fit (built before the step)
+            except torch.OutOfMemoryError as err:
+                # The model itself did not fit (built before the step).
                 return _failed(size, err, budget)
         if result.status == "skipped":
             raise _MethodSkipped(result.reason)
@@ -175,14 +183,16 @@ class _Search:
         return Probe(size, fits, peak, result.peak_host_bytes, limited, "", budget, result)
 
     def _peak(self, result: MethodResult, units: int) -> int:
-        """Real cap: the allocator's peak of the profiled step. Virtual: model state + the step's peak."""
+        """Real cap: the allocator's peak of the profiled step. Virtual: model state + the step's
+        peak."""
         if self.virtual:
             return state_bytes(self.shape(units)) + result.peak_bytes
         return torch.accelerator.max_memory_allocated(self.device)
 
 
 def _failed(size: int, err: BaseException, budget: int | None) -> Probe:
-    """A run that raised: out of device memory or host memory is 'does not fit'; anything else is a bug."""
+    """A run that raised: out of device memory or host memory is 'does not fit'; anything else is
+    a bug."""
     if isinstance(err, torch.OutOfMemoryError):
         return Probe(size, False, limited_by="device", reason=f"out of memory: {str(err)[:120]}",
                      smart_budget_bytes=budget)
@@ -213,33 +223,40 @@ def _row(search: _Search, method: Method, start: int, limit: int) -> CapacityRow
     try:
         units = largest_fitting(lambda u: search.probe(method, u).fits, start, limit)
     except _MethodSkipped as why:
-        return CapacityRow(method.key, label, 0, None, None, None, None, None, limited_by=f"skipped: {why}")
-    planned_max = start * dim_quantum(search.preset, search.dim) if method.key in METHOD_LABELS else None
-    probes = sorted((p for (k, _), p in search.probes.items() if k == method.key), key=lambda p: p.size)
+        return CapacityRow(method.key, label, 0, None, None, None, None, None,
+                           limited_by=f"skipped: {why}")
+    planned_max = (start * dim_quantum(search.preset, search.dim)
+                   if method.key in METHOD_LABELS else None)
+    probes = sorted((p for (k, _), p in search.probes.items() if k == method.key),
+                    key=lambda p: p.size)
     if units == 0:
         first = search.probes[(method.key, 1)]
         return CapacityRow(method.key, label, 0, first.peak_bytes, None, None, None, None,
                            planned_max=planned_max, limited_by=first.limited_by, probes=probes)
     best, shape = search.probe(method, units), search.shape(units)
     r = best.result
-    planned = planned_memory(shape, method.key, search.cap).peak_bytes if method.key in METHOD_LABELS else None
-    return CapacityRow(method.key, label, best.size, best.peak_bytes, method_memory(shape, "no_swap").peak_bytes,
-                       None, r.step_s * 1e3, r.cpu_s * 1e3, planned_max=planned_max, planned_peak_bytes=planned,
-                       host_bytes=best.host_bytes,
+    planned = (planned_memory(shape, method.key, search.cap).peak_bytes
+               if method.key in METHOD_LABELS else None)
+    return CapacityRow(method.key, label, best.size, best.peak_bytes,
+                       method_memory(shape, "no_swap").peak_bytes,
+                       None, r.step_s * 1e3, r.cpu_s * 1e3, planned_max=planned_max,
+                       planned_peak_bytes=planned, host_bytes=best.host_bytes,
                        limited_by=_limited_by(search, method, units, limit),
                        smart_budget_bytes=best.smart_budget_bytes, probes=probes)
 
 
 def _exactness(search: _Search, rows: list[CapacityRow], methods: list[Method]) -> None:
-    """Losses of each method against its reference, at the largest size both fit (``torch.equal``)."""
+    """Losses of each method against its reference, at the largest size both fit
+    (``torch.equal``)."""
     by_key = {r.method: r for r in rows}
     quantum = dim_quantum(search.preset, search.dim)
-    for row, method in zip(rows, methods):
+    for row, method in zip(rows, methods, strict=True):
         ref = by_key.get(method.reference)
         if ref is None or row.max == 0 or ref.max == 0:
             continue
         units = min(row.max, ref.max) // quantum
-        mine, theirs = search.probe(method, units), search.probe(_method(methods, ref.method), units)
+        mine, theirs = (search.probe(method, units),
+                        search.probe(_method(methods, ref.method), units))
         if mine.result is None or theirs.result is None:
             continue
         compare_losses(mine.result, theirs.result)
@@ -250,45 +267,52 @@ def _method(methods: list[Method], key: str) -> Method:
     return next(m for m in methods if m.key == key)
 
 
-def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *, dim: str = "batch",
-                 methods: list[str] | None = None, host_limit_bytes: int | None = None, seed: int = 0,
-                 threads: int | None = 1, limit: int = 1 << 16, compile_inner: str = "aot_eager",
-                 command: str = "", progress: Callable[[str], None] | None = None) -> CapacityReport:
+def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *,
+                 dim: str = "batch", methods: list[str] | None = None,
+                 host_limit_bytes: int | None = None, seed: int = 0, threads: int | None = 1,
+                 limit: int = 1 << 16, compile_inner: str = "aot_eager", command: str = "",
+                 progress: Callable[[str], None] | None = None) -> CapacityReport:
     """Largest size per method under ``cap_bytes`` of device memory (see the module's docstring).
 
     Args:
         dim: ``"batch"``, ``"seq"`` or ``"hidden"``. Default: ``"batch"``.
         methods: Method keys of :data:`swap_pass.bench.methods.METHODS`; no swap is always
-            among them (the reference). Default: no swap, full recompute, recompute + swap, SmartSwap.
+            among them (the reference). Default: no swap, full recompute, recompute + swap,
+            SmartSwap.
         host_limit_bytes: Host memory the swapping methods may hold; None for what the machine
             has available now. Default: ``None``.
         threads: Intra-op CPU threads while measuring (None: as set). Default: ``1``.
-        limit: Largest size searched, in units of ``dim`` (hidden: twice the heads). Default: ``2**16``.
+        limit: Largest size searched, in units of ``dim`` (hidden: twice the heads).
+            Default: ``2**16``.
         progress: Called with a line per method and per probe. Default: ``None``.
     """
     chosen = select_methods(methods or list(METHOD_LABELS))
     host = available_host_bytes() if host_limit_bytes is None else host_limit_bytes
     keys = tuple(m.key for m in chosen if m.key in METHOD_LABELS)
-    planned = {p.method: p.max // dim_quantum(preset, dim) for p in plan_capacity(preset, dim, cap_bytes, host,
-                                                                                   methods=keys, limit=limit)}
+    planned = {p.method: p.max // dim_quantum(preset, dim)
+               for p in plan_capacity(preset, dim, cap_bytes, host, methods=keys, limit=limit)}
     with intra_op_threads(threads), device_memory_cap(device, cap_bytes) as virtual:
-        search = _Search(preset, dim, device, cap_bytes, host, virtual, seed, compile_inner, progress)
+        search = _Search(preset, dim, device, cap_bytes, host, virtual, seed, compile_inner,
+                         progress)
         rows = []
         for m in chosen:
             start = planned.get(m.key, planned["no_swap"])
             if progress is not None:
-                progress(f"{m.label}: searching {dim} from {start * dim_quantum(preset, dim)} (planned)")
+                progress(f"{m.label}: searching {dim} from "
+                         f"{start * dim_quantum(preset, dim)} (planned)")
             rows.append(_row(search, m, start, limit))
         _exactness(search, rows, chosen)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(device), "device": str(device), "torch": torch.__version__,
-            "preset": dataclasses.asdict(preset), "command": command, "seed": seed, "threads": threads,
-            "peak_source": _peak_source(virtual)}
+            "preset": dataclasses.asdict(preset), "command": command, "seed": seed,
+            "threads": threads, "peak_source": _peak_source(virtual)}
     return CapacityReport(cap_bytes, dim, virtual, host, rows, meta)
 
 
 def _peak_source(virtual: bool) -> str:
     if virtual:
-        return ("virtual cap: model state (parameters, gradients, optimizer state, buffers, batch; counted "
-                "from the model) + the profiled step's peak above its start (torch.profiler memory events)")
-    return "real cap (set_per_process_memory_fraction): torch.accelerator.max_memory_allocated of the profiled step"
+        return ("virtual cap: model state (parameters, gradients, optimizer state, buffers, batch; "
+                "counted from the model) + the profiled step's peak above its start "
+                "(torch.profiler memory events)")
+    return ("real cap (set_per_process_memory_fraction): torch.accelerator.max_memory_allocated "
+            "of the profiled step")

@@ -33,19 +33,21 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["METHOD_KEYS", "OPTIMIZERS", "MethodMemory", "ModelShape", "method_memory", "param_count",
-           "state_bytes"]
+__all__ = ["METHOD_KEYS", "OPTIMIZERS", "MethodMemory", "ModelShape", "method_memory",
+           "param_count", "state_bytes"]
 
 METHOD_KEYS = ("no_swap", "recompute", "eager_swap", "smartswap")
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Optimizer state bytes per parameter, as a function of the parameter's own bytes ``e``.
 OPTIMIZERS = {
-    "sgd": lambda e: 0,                 # torch.optim.SGD without momentum (what the bench trains with)
+    # torch.optim.SGD without momentum (what the bench trains with)
+    "sgd": lambda e: 0,
     "sgd-momentum": lambda e: e,        # one momentum buffer in the parameter's dtype
     "adam": lambda e: 2 * e,            # exp_avg and exp_avg_sq in the parameter's dtype
     "adam-mixed": lambda e: 12,         # fp32 master weights, exp_avg, exp_avg_sq
 }
-SWAP_RESIDENT_INPUTS = 3  # layer inputs recompute + swap keeps on the device during a layer's backward
+# Layer inputs recompute + swap keeps on the device during a layer's backward.
+SWAP_RESIDENT_INPUTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +81,12 @@ class ModelShape:
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch", "micro_batches"):
+        for name in ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch",
+                     "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"swap_pass.capacity: {name}={value!r} is invalid. It must be an int >= 1.")
+                raise ValueError(f"swap_pass.capacity: {name}={value!r} is invalid. "
+                                 "It must be an int >= 1.")
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"swap_pass.capacity: dtype={self.dtype!r} is unknown. "
                              f"It must be one of {sorted(_ITEMSIZE)}.")
@@ -104,9 +108,10 @@ class ModelShape:
     def from_preset(cls, preset, optimizer: str = "sgd") -> ModelShape:
         """The shape of a :class:`swap_pass.bench.presets.BenchPreset`."""
         m = preset.model
-        return cls(hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads, intermediate=m.intermediate_size,
-                   vocab=m.vocab_size, seq=preset.seq, batch=preset.batch, dtype=preset.dtype,
-                   optimizer=optimizer, max_seq_len=m.max_seq_len)
+        return cls(hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
+                   intermediate=m.intermediate_size, vocab=m.vocab_size, seq=preset.seq,
+                   batch=preset.batch, dtype=preset.dtype, optimizer=optimizer,
+                   max_seq_len=m.max_seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +138,16 @@ class MethodMemory:
 
 
 def param_count(s: ModelShape) -> int:
-    """Parameters: embedding, per layer qkv, output, gate/up, down and two norms, final norm, LM head."""
+    """Parameters: embedding, per layer qkv, output, gate/up, down and two norms, final norm,
+    LM head."""
     h, i = s.hidden, s.intermediate
     per_layer = 4 * h * h + 3 * h * i + 2 * h
     return 2 * s.vocab * h + s.layers * per_layer + h
 
 
 def state_bytes(s: ModelShape) -> int:
-    """Bytes resident at the step's start: parameters, gradients, optimizer state, rotary tables, batch."""
+    """Bytes resident at the step's start: parameters, gradients, optimizer state, rotary tables,
+    batch."""
     params = param_count(s)
     rotary = 2 * (s.max_seq_len or s.seq) * (s.hidden // s.heads // 2) * 4
     batch = 2 * s.tokens * 8 * s.micro_batches
@@ -162,7 +169,8 @@ def _per_token(s: ModelShape) -> dict[str, int]:
     }
 
 
-def _points(s: ModelShape, kept_inputs_layer: int, kept_inputs_loss: int, recompute: bool) -> tuple[int, int]:
+def _points(s: ModelShape, kept_inputs_layer: int, kept_inputs_loss: int,
+            recompute: bool) -> tuple[int, int]:
     """Per-token (kept, transient) at the loss's backward and at the last layer's backward."""
     t, mb = _per_token(s), s.micro_batches
     if recompute:
@@ -172,11 +180,13 @@ def _points(s: ModelShape, kept_inputs_layer: int, kept_inputs_loss: int, recomp
     else:
         at_layer = at_loss = mb * s.layers * t["layer"]
         at_loss += t["norm"] + t["loss_kept"]
-    return max(at_loss + t["loss_grads"], at_layer + t["layer_grads"]), max(t["loss_grads"], t["layer_grads"])
+    return (max(at_loss + t["loss_grads"], at_layer + t["layer_grads"]),
+            max(t["loss_grads"], t["layer_grads"]))
 
 
 def _smartswap(s: ModelShape, budget_bytes: int | None) -> tuple[int, int]:
-    """SmartSwap's activation peak and transient bytes: its budget plus the transient, at least its floor."""
+    """SmartSwap's activation peak and transient bytes: its budget plus the transient, at least
+    its floor."""
     t = _per_token(s)
     transient = max(t["loss_grads"], t["layer_grads_in_flight"]) * s.tokens
     floor = (t["loss_kept"] + t["loss_grads"] + t["input"]) * s.tokens
@@ -190,7 +200,8 @@ def saved_bytes(s: ModelShape) -> int:
     return (s.layers * t["layer"] + t["norm"] + t["loss_kept"]) * s.tokens * s.micro_batches
 
 
-def method_memory(s: ModelShape, method: str, smart_budget_bytes: int | None = None) -> MethodMemory:
+def method_memory(s: ModelShape, method: str,
+                  smart_budget_bytes: int | None = None) -> MethodMemory:
     """Predicted state, activation peak and host bytes of ``method`` (a key of :data:`METHOD_KEYS`).
 
     Args:
@@ -202,9 +213,11 @@ def method_memory(s: ModelShape, method: str, smart_budget_bytes: int | None = N
         peak, transient = _smartswap(s, smart_budget_bytes)
         return MethodMemory(state, peak, saved_bytes(s), transient)
     if method not in METHOD_KEYS:
-        raise ValueError(f"swap_pass.capacity: method {method!r} has no memory model. It must be one of {METHOD_KEYS}.")
+        raise ValueError(f"swap_pass.capacity: method {method!r} has no memory model. "
+                         f"It must be one of {METHOD_KEYS}.")
     swap = method == "eager_swap"
     resident = min(SWAP_RESIDENT_INPUTS, s.layers) if swap else s.layers
-    per_token, transient = _points(s, resident, 1 if swap else s.layers, recompute=method != "no_swap")
+    per_token, transient = _points(s, resident, 1 if swap else s.layers,
+                                   recompute=method != "no_swap")
     host = (s.layers - 1) * _per_token(s)["input"] * s.tokens * s.micro_batches if swap else 0
     return MethodMemory(state, per_token * s.tokens, host, transient * s.tokens)

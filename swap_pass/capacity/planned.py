@@ -19,8 +19,8 @@ __all__ = ["DIMS", "METHOD_LABELS", "PlannedRow", "dim_quantum", "plan_capacity"
            "sized_preset", "smart_budget"]
 
 DIMS = ("batch", "seq", "hidden")
-METHOD_LABELS = {"no_swap": "no swap", "recompute": "full recompute", "eager_swap": "recompute + swap",
-                 "smartswap": "SmartSwap"}
+METHOD_LABELS = {"no_swap": "no swap", "recompute": "full recompute",
+                 "eager_swap": "recompute + swap", "smartswap": "SmartSwap"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,8 @@ class PlannedRow:
 
 
 def dim_quantum(preset: BenchPreset, dim: str) -> int:
-    """Sizes are multiples of this: 1, or for ``hidden`` twice the heads (an even rotary head size)."""
+    """Sizes are multiples of this: 1, or for ``hidden`` twice the heads (an even rotary head
+    size)."""
     return 2 * preset.model.num_heads if dim == "hidden" else 1
 
 
@@ -61,7 +62,8 @@ def sized_preset(preset: BenchPreset, dim: str, units: int) -> BenchPreset:
 
 
 def smart_budget(shape: ModelShape, cap_bytes: int) -> int:
-    """SmartSwap's budget under ``cap_bytes``: the cap less the model state and the step's transient bytes."""
+    """SmartSwap's budget under ``cap_bytes``: the cap less the model state and the step's
+    transient bytes."""
     planned = method_memory(shape, "smartswap")
     return cap_bytes - planned.state_bytes - planned.transient_bytes
 
@@ -78,16 +80,18 @@ def _fits(memory: MethodMemory, cap_bytes: int, host_bytes: int, method: str) ->
 
 
 def plan_capacity(preset: BenchPreset, dim: str, cap_bytes: int, host_bytes: int, *,
-                  methods: tuple[str, ...] = METHOD_KEYS, optimizer: str = "sgd", micro_batches: int = 1,
-                  limit: int = 1 << 20) -> list[PlannedRow]:
-    """Planned largest size per method under ``cap_bytes`` of device and ``host_bytes`` of host memory.
+                  methods: tuple[str, ...] = METHOD_KEYS, optimizer: str = "sgd",
+                  micro_batches: int = 1, limit: int = 1 << 20) -> list[PlannedRow]:
+    """Planned largest size per method under ``cap_bytes`` of device and ``host_bytes`` of host
+    memory.
 
     Args:
         limit: Largest size (in units of :func:`dim_quantum`) searched. Default: ``2**20``.
     """
     def shape(units: int) -> ModelShape:
         sized = sized_preset(preset, dim, units)
-        return dataclasses.replace(ModelShape.from_preset(sized, optimizer), micro_batches=micro_batches)
+        return dataclasses.replace(ModelShape.from_preset(sized, optimizer),
+                                   micro_batches=micro_batches)
 
     rows = []
     for m in methods:
@@ -99,5 +103,6 @@ def plan_capacity(preset: BenchPreset, dim: str, cap_bytes: int, host_bytes: int
         at = shape(max(best, 1))
         limited = "search range" if best == limit else "host" if unlimited_host > best else "device"
         rows.append(PlannedRow(m, METHOD_LABELS[m], best * dim_quantum(preset, dim), limited,
-                               planned_memory(at, m, cap_bytes), method_memory(at, "no_swap").peak_bytes))
+                               planned_memory(at, m, cap_bytes),
+                               method_memory(at, "no_swap").peak_bytes))
     return rows

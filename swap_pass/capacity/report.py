@@ -1,4 +1,5 @@
-"""Text tables of ``swap-pass capacity`` and ``swap-pass plan --device-memory``, and the JSON file."""
+"""Text tables of ``swap-pass capacity`` and ``swap-pass plan --device-memory``, and the JSON
+file."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     return [line(head), "  ".join("-" * w for w in widths), *map(line, rows)]
 
@@ -41,14 +43,15 @@ def _exact(value: bool | None, at: int | None) -> str:
 def format_capacity(report: CapacityReport) -> str:
     """The measured table, the planner's row of peaks, and how the cap was enforced."""
     cap, ref = report.device_memory, next((r for r in report.rows if r.method == "no_swap"), None)
-    head = [f"method @ {_mib(cap)}", f"max {report.dim}", "x no swap", "planned max", "peak", "planned peak",
-            "need w/o swap",
+    head = [f"method @ {_mib(cap)}", f"max {report.dim}", "x no swap", "planned max", "peak",
+            "planned peak", "need w/o swap",
             "x cap", "host", "step ms", "CPU ms", "losses = no swap", "limited by"]
     rows = []
     for r in report.rows:
         gain = f"{r.max / ref.max:.1f}x" if ref is not None and ref.max and r.max else "-"
         need = f"{r.need_without_swap_bytes / cap:.2f}x" if r.need_without_swap_bytes else "-"
-        rows.append([r.label, str(r.max), gain, "-" if r.planned_max is None else str(r.planned_max),
+        rows.append([r.label, str(r.max), gain,
+                     "-" if r.planned_max is None else str(r.planned_max),
                      _mib(r.peak_bytes), _mib(r.planned_peak_bytes),
                      _mib(r.need_without_swap_bytes), need, _mib(r.host_bytes),
                      "-" if r.step_ms is None else f"{r.step_ms:,.0f}",
@@ -56,30 +59,42 @@ def format_capacity(report: CapacityReport) -> str:
                      _exact(r.exact, r.exact_at), r.limited_by])
     err = planner_error(report)
     kind = "VIRTUAL cap, CPU" if report.virtual_cap else "real cap"
-    title = (f"swap-pass capacity: largest {report.dim} per method under {_mib(cap)} of device memory "
+    title = (f"swap-pass capacity: largest {report.dim} per method under {_mib(cap)} "
+             "of device memory "
              f"({kind}; host limit {_mib(report.host_limit_bytes)})")
     lines = [title,
              *_table(head, rows),
-             f"planner: planned peaks within {err:.1%} of the measured peaks" if err is not None else "planner: -",
+             f"planner: planned peaks within {err:.1%} of the measured peaks"
+             if err is not None else "planner: -",
              f"peak: {report.meta['peak_source']}",
-             "need w/o swap: the planned no-swap peak at that size (the planner row shows how close it runs)"]
+             "need w/o swap: the planned no-swap peak at that size "
+             "(the planner row shows how close it runs)"]
     return "\n".join(lines)
 
 
-def format_planned(rows: list[PlannedRow], cap_bytes: int, host_bytes: int, dim: str, what: str) -> str:
-    """The planned table of ``swap-pass plan --device-memory``, with a warning per host-limited method."""
-    head = [f"method @ {_gib(cap_bytes)}", f"max {dim}", "peak", "state", "activations", "host", "x cap",
-            "limited by"]
-    body = [[r.label, str(r.max), _gib(r.memory.peak_bytes) if r.max else "-", _gib(r.memory.state_bytes),
-             _gib(r.memory.activation_bytes) if r.max else "-", _gib(r.memory.host_bytes) if r.max else "-",
-             f"{r.need_without_swap_bytes / cap_bytes:.2f}x" if r.max else "-", r.limited_by] for r in rows]
-    lines = [f"swap-pass plan --device-memory: {what}; host limit {_gib(host_bytes)}", *_table(head, body)]
+def format_planned(rows: list[PlannedRow], cap_bytes: int, host_bytes: int, dim: str,
+                   what: str) -> str:
+    """The planned table of ``swap-pass plan --device-memory``, with a warning per host-limited
+    method."""
+    head = [f"method @ {_gib(cap_bytes)}", f"max {dim}", "peak", "state", "activations", "host",
+            "x cap", "limited by"]
+    body = [[r.label, str(r.max), _gib(r.memory.peak_bytes) if r.max else "-",
+             _gib(r.memory.state_bytes),
+             _gib(r.memory.activation_bytes) if r.max else "-",
+             _gib(r.memory.host_bytes) if r.max else "-",
+             f"{r.need_without_swap_bytes / cap_bytes:.2f}x" if r.max else "-", r.limited_by]
+            for r in rows]
+    lines = [f"swap-pass plan --device-memory: {what}; host limit {_gib(host_bytes)}",
+             *_table(head, body)]
     for r in rows:
         if r.limited_by == "host":
-            lines.append(f"warning: {r.label} is limited by host memory ({_gib(host_bytes)}), not by the device")
+            lines.append(f"warning: {r.label} is limited by host memory ({_gib(host_bytes)}), "
+                         "not by the device")
         if r.max == 0:
-            lines.append(f"note: {r.label} does not fit at {dim} 1: model state alone is {_gib(r.memory.state_bytes)}"
-                         if r.memory.state_bytes > cap_bytes else f"note: {r.label} does not fit at {dim} 1")
+            lines.append(f"note: {r.label} does not fit at {dim} 1: "
+                         f"model state alone is {_gib(r.memory.state_bytes)}"
+                         if r.memory.state_bytes > cap_bytes
+                         else f"note: {r.label} does not fit at {dim} 1")
     return "\n".join(lines)
 
 

@@ -55,7 +55,9 @@ class _SwappedForward:
 
     @property
     def __wrapped__(self) -> Any:  # inspect.signature(layer.forward) sees the real signature
-        return self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
+        if self.inner is not None:
+            return self.inner
+        return type(self.layer).forward.__get__(self.layer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer, inner = self.layer, self.inner  # __wrapped__, without a property call per layer

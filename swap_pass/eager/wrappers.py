@@ -158,7 +158,8 @@ def _restore_for_backward(manager: SwapLayerInputManager, layer_input: torch.Ten
         prev.prefetch()
 
 
-def _start_swap_out(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> SwapTensors | None:
+def _start_swap_out(manager: SwapLayerInputManager,
+                    hidden_states: torch.Tensor) -> SwapTensors | None:
     if manager.is_last_layer or in_backward():
         return None
     # The layer has not run yet: its entry. FBOverlap detaches every layer input itself.
@@ -171,7 +172,8 @@ def _start_swap_out(manager: SwapLayerInputManager, hidden_states: torch.Tensor)
 
 
 def _layer_graph_in(result: Any) -> Any:
-    """The ``LayerGraph`` (an object with ``.layer`` and ``.layer_input``) returned in ``result``."""
+    """The ``LayerGraph`` (an object with ``.layer`` and ``.layer_input``) returned in
+    ``result``."""
     items = result if isinstance(result, (tuple, list)) else (result,)
     return next((item for item in items if hasattr(item, "layer") and hasattr(item, "layer_input")),
                 None)
@@ -187,12 +189,14 @@ def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: Swap
             pass
 
 
-def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None, result: Any) -> None:
+def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None,
+                     result: Any) -> None:
     if group is not None:
         group.wait_copy_out()  # its source is no holder once the copy ran
         roots = _tensors_in(result) or []
         graph = _layer_graph_in(result)
-        accounted = [graph.layer_input] if isinstance(getattr(graph, "layer_input", None), torch.Tensor) else []
+        accounted = ([graph.layer_input]
+                     if isinstance(getattr(graph, "layer_input", None), torch.Tensor) else [])
         if not may_free(group.tensors, manager.name, roots=roots, since=group.entry_mark,
                         accounted=accounted):
             manager.wait_swap_in(group)  # another holder is left: keep it on the device

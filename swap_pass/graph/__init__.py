@@ -1,4 +1,5 @@
-"""The graph path: ``torch.ops.swap_pass.*`` ops, layer boundaries, the fx pass, the compile backend.
+"""The graph path: ``torch.ops.swap_pass.*`` ops, layer boundaries, the fx pass, the compile
+backend.
 
 * :func:`find_layer_boundaries` -- which layers a graph holds and the tensor entering each;
 * :func:`apply_swap_pass` -- swap layer inputs in a traced graph trained in eager autograd;

@@ -142,7 +142,7 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
     """
     user_outputs, saved = _saved(fw, num_fwd_outputs)
     layers = find_layers(fw, layer_filter, api="swap_backend", strict=False)
-    pairs = list(zip(layers, layers[1:]))
+    pairs = list(zip(layers, layers[1:], strict=False))  # consecutive pairs
     if layers and _ends_the_graph(fw, layers[-1]):
         pairs.append((layers[-1], None))
     picked = []
@@ -230,12 +230,14 @@ def _is_compute_result(node: fx.Node) -> bool:
     source = node
     if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
         source = node.args[0]
-    return source.op == "call_function" and getattr(source.target, "overloadpacket", None) in flop_registry
+    return (source.op == "call_function"
+            and getattr(source.target, "overloadpacket", None) in flop_registry)
 
 
 def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node,
                  after: bool) -> fx.Node:
-    """``wait(t, keepalive, dep)`` after/before ``where``, ``dep`` the tensor computed just before it."""
+    """``wait(t, keepalive, dep)`` after/before ``where``, ``dep`` the tensor computed just
+    before it."""
     ctx = graph.inserting_after(where) if after else graph.inserting_before(where)
     with ctx:
         node = graph.call_function(_OPS.wait.default, (t, keepalive, None))
@@ -256,10 +258,11 @@ def _rewrite_forward(fw: fx.GraphModule, planned: list[_Planned], config: SwapCo
             host = graph.call_function(_OPS.swap_out.default, (x, cap, config.use_streams))
         _set_val(host, _host_val(x.meta["val"]))
         readers = [u for u in x.users if u is not host and u is not output]
-        replace[x] = _insert_wait(graph, host, x, _after_all(graph, readers + p.wait_after + [host]),
-                                  after=True)
+        replace[x] = _insert_wait(graph, host, x,
+                                  _after_all(graph, readers + p.wait_after + [host]), after=True)
     outs = output.args[0]
-    output.update_arg(0, type(outs)(replace.get(n, n) if isinstance(n, fx.Node) else n for n in outs))
+    output.update_arg(0, type(outs)(replace.get(n, n) if isinstance(n, fx.Node) else n
+                                    for n in outs))
 
 
 # --- backward ---------------------------------------------------------------------------------
@@ -342,7 +345,8 @@ def _apply(fw: fx.GraphModule, bw: fx.GraphModule, planned: list[_Planned], laye
         for gm in (fw, bw):
             gm.graph.lint()
             gm.recompile()
-    log.info("swap_pass: swapping %d saved tensors: %s", len(planned), [p.node.name for p in planned])
+    log.info("swap_pass: swapping %d saved tensors: %s", len(planned),
+             [p.node.name for p in planned])
     return [SwappedTensor(p.node.name, p.layer, p.nbytes) for p in planned]
 
 
@@ -371,7 +375,8 @@ def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outp
 
 
 def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) -> tuple[str, int]:
-    """Why layer-input mode swapped nothing in ``fw``, and the bytes the graph saves for backward."""
+    """Why layer-input mode swapped nothing in ``fw``, and the bytes the graph saves for
+    backward."""
     _, saved = _saved(fw, num_fwd_outputs)
     nbytes = sum(v.numel() * v.element_size() for n in saved if isinstance(n, fx.Node)
                  and (v := _tensor_val(n)) is not None and _static(v.shape))
@@ -403,7 +408,7 @@ def _count_unplanned(nodes) -> None:
     """Saved tensors of sizes without a hint: never a silent zero (``dynamic_shape``)."""
     from swap_pass.runtime.skips import SkipReason, record_skip
 
-    for n in nodes:
+    for _n in nodes:
         record_skip(SkipReason.DYNAMIC_SHAPE, 0, where="swap_backend (budget mode)",
                     detail="Its size is data-dependent (unbacked), so budget mode cannot plan it.")
 

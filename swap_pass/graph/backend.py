@@ -66,13 +66,15 @@ class Partition:
         if self.mode == "budget":
             head += (f"; predicted peak {self.predicted_peak_without_swap} -> {self.predicted_peak}"
                      f" bytes (budget {self.budget_bytes})")
-        return "\n".join([head, *(f"  {s.name} ({s.layer or 'outside any module'}): {s.nbytes} bytes"
-                                  for s in self.swapped)])
+        return "\n".join([head, *(
+            f"  {s.name} ({s.layer or 'outside any module'}): {s.nbytes} bytes"
+            for s in self.swapped)])
 
 
 @dataclasses.dataclass
 class _Swapped:
-    """What a backend swapped so far: decides whether a graph that swaps nothing is worth a warning."""
+    """What a backend swapped so far: decides whether a graph that swaps nothing is worth a
+    warning."""
 
     graphs: int = 0
     swapped_graphs: int = 0
@@ -146,7 +148,8 @@ def _partitioner_uuid(*keys: object) -> str:
 
 
 def _make_partitioner(partition: Callable, uuid: str):
-    """An Inductor ``CustomPartitionerFn`` running ``partition``; it pickles as its uuid (cache keys)."""
+    """An Inductor ``CustomPartitionerFn`` running ``partition``; it pickles as its uuid (cache
+    keys)."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class SwapPartitioner(CustomPartitionerFn):

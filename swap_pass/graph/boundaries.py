@@ -90,18 +90,21 @@ def _node_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, object]]
 
 
 def _subgraph_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, object]]:
-    """For a higher-order op (e.g. Dynamo's activation checkpoint): the modules all of its body ran in."""
+    """For a higher-order op (e.g. Dynamo's activation checkpoint): the modules all of its body
+    ran in."""
     body = node.args[0] if node.op == "call_function" and node.args else None
     if not (isinstance(body, fx.Node) and body.op == "get_attr"):
         return []
     sub = getattr(gm, str(body.target), None)
     if not isinstance(sub, fx.GraphModule):
         return []
-    stacks = [_node_modules(sub, n) for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+    stacks = [_node_modules(sub, n) for n in sub.graph.nodes
+              if n.op not in ("placeholder", "output")]
     stacks = [s for s in stacks if s]
     common = stacks[0] if stacks else []
     for s in stacks[1:]:
-        common = [a for a, b in zip(common, s) if a[0] == b[0]]
+        # the shorter stack bounds the common prefix
+        common = [a for a, b in zip(common, s, strict=False) if a[0] == b[0]]
     return common
 
 
@@ -113,7 +116,8 @@ def _all_modules(gm: fx.GraphModule) -> dict[str, object]:
         for fqn, cls in _node_modules(gm, node):
             seen.setdefault(fqn, cls)
         if node.op == "call_module":
-            for name, sub in gm.get_submodule(str(node.target)).named_modules(prefix=str(node.target)):
+            for name, sub in gm.get_submodule(str(node.target)).named_modules(
+                    prefix=str(node.target)):
                 seen.setdefault(name, type(sub))
     return seen
 
@@ -171,7 +175,8 @@ def _shape_key(node: fx.Node) -> str | None:
     return None
 
 
-def _external_inputs(members: list[fx.Node], fqn: str, owner: dict[fx.Node, str | None]) -> list[fx.Node]:
+def _external_inputs(members: list[fx.Node], fqn: str,
+                     owner: dict[fx.Node, str | None]) -> list[fx.Node]:
     """Tensor-valued nodes made outside layer ``fqn`` that nodes of the layer read, in order."""
     seen: dict[fx.Node, None] = {}
     for node in members:
@@ -210,7 +215,7 @@ def _computed_in_backward(node: fx.Node) -> bool:
 def _stream_shape(found: list, owner: dict[fx.Node, str | None]) -> str | None:
     """The shape every layer receives from the one before it (the residual stream's)."""
     votes: collections.Counter[str] = collections.Counter()
-    for (prev, _, _), (_, _, ins) in zip(found, found[1:]):
+    for (prev, _, _), (_, _, ins) in zip(found, found[1:], strict=False):  # consecutive pairs
         votes.update({_shape_key(n) for n in ins if owner.get(n) == prev} - {None})
     return votes.most_common(1)[0][0] if votes else None
 
@@ -263,7 +268,7 @@ def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     inputs = _pick_inputs(found, owner, order)
     return [_make_layer(i, fqn, modules[fqn], node, members)
-            for i, ((fqn, members, _), node) in enumerate(zip(found, inputs))]
+            for i, ((fqn, members, _), node) in enumerate(zip(found, inputs, strict=True))]
 
 
 def _pick_inputs(found: list, owner: dict[fx.Node, str | None],
@@ -288,7 +293,8 @@ def _make_layer(index: int, fqn: str, cls: object, node: fx.Node | None,
     return _Layer(boundary, node, members)
 
 
-def find_layer_boundaries(gm: fx.GraphModule, *, layer_filter: LayerFilter = None) -> list[LayerBoundary]:
+def find_layer_boundaries(gm: fx.GraphModule, *,
+                          layer_filter: LayerFilter = None) -> list[LayerBoundary]:
     """Return the layers the swap pass will act on, with the node entering each.
 
     Args:

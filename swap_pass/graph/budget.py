@@ -57,8 +57,8 @@ class CostModel:
         for name in ("copy_bytes_per_s", "flops_per_s"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"swap_pass.CostModel: {name}={value!r} is invalid. It must be None "
-                                 "or a number > 0.")
+                raise ValueError(f"swap_pass.CostModel: {name}={value!r} is invalid. "
+                                 "It must be None or a number > 0.")
 
     def resolved(self, device: torch.device) -> CostModel:
         """This model with the missing figures measured on ``device``."""
@@ -150,7 +150,8 @@ def size_hint(size: object) -> int | None:
 
 
 def hinted_shape(val: torch.Tensor) -> list[int] | None:
-    """``val``'s shape with size hints for its symbolic sizes (Note: [Planning with symbolic sizes])."""
+    """``val``'s shape with size hints for its symbolic sizes
+    (Note: [Planning with symbolic sizes])."""
     shape = [size_hint(d) for d in val.shape]
     return None if any(d is None for d in shape) else shape
 
@@ -266,7 +267,8 @@ def _holder_intervals(tl: _Timeline, node: fx.Node, first: int, last: int,
 
 
 def _storage_intervals(tl: _Timeline, base: fx.Node, chosen) -> list[tuple[int, int]]:
-    spans = sorted(s for n, lo, hi in tl.holders[base] for s in _holder_intervals(tl, n, lo, hi, chosen))
+    spans = sorted(s for n, lo, hi in tl.holders[base]
+                   for s in _holder_intervals(tl, n, lo, hi, chosen))
     merged: list[list[int]] = []
     for lo, hi in spans:
         if merged and lo <= merged[-1][1] + 1:
@@ -295,8 +297,8 @@ def _placement(tl: _Timeline, node: fx.Node, nbytes: int, cost: CostModel,
     if ph is None or not ph.users:
         return None
     first = min(tl.index[u] for u in ph.users)
-    pre = next((i for i in range(first - 1, fw_end, -1) if tl.clock[first - 1] - tl.clock[i] >= copy),
-               None)
+    pre = next((i for i in range(first - 1, fw_end, -1)
+                if tl.clock[first - 1] - tl.clock[i] >= copy), None)
     if pre is None or tl.nodes[pre].op == "placeholder":
         return None
     return SwapChoice(node, nbytes, tl.nodes[wait], tl.nodes[pre])
@@ -340,4 +342,6 @@ def _gain(tl: _Timeline, choice: SwapChoice, chosen: dict, at: int) -> int:
     covers = lambda spans: any(lo <= at <= hi for lo, hi in spans)  # noqa: E731
     if not covers(_storage_intervals(tl, base, chosen)):
         return 0
-    return 0 if covers(_storage_intervals(tl, base, {**chosen, choice.node: choice})) else tl.storages[base]
+    if covers(_storage_intervals(tl, base, {**chosen, choice.node: choice})):
+        return 0
+    return tl.storages[base]

@@ -255,7 +255,8 @@ def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> to
 
 def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[int],
                          stride: list[int]) -> torch.Tensor:
-    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` when empty."""
+    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` when
+    empty."""
     if not size and host.dim():
         return torch.empty(host.shape, dtype=host.dtype, device=device)
     return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
@@ -337,7 +338,8 @@ def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None,
     _wait_for(t)
     if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
         _watch_source(t, keepalive)  # a swap_out's host copy (Note: [Compiled frees])
-    return torch.ops.aten.alias.default(t)  # a view, as the schema says: ops below autograd may not return inputs
+    # a view, as the schema says: ops below autograd may not return inputs
+    return torch.ops.aten.alias.default(t)
 
 
 @torch.library.register_fake("swap_pass::wait")

@@ -64,7 +64,8 @@ def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTenso
 
 
 class _ReleaseLayerInput(torch.autograd.Function):
-    """Identity on the stream entering the next layer; frees the group in forward, restores in backward."""
+    """Identity on the stream entering the next layer; frees the group in forward, restores in
+    backward."""
 
     @staticmethod
     def forward(ctx, x_next, group, earlier):
@@ -180,8 +181,10 @@ def apply_swap_pass(gm: fx.GraphModule, example_inputs=None, *, layer_filter: La
 
 def _rewrite(graph: fx.Graph, layers: list, config: tuple) -> None:
     index = {n: i for i, n in enumerate(graph.nodes)}
-    entries = [_entry_point(l, index) if l.input is not None else None for l in layers]
-    swappable = [_swappable(a, b) for a, b in zip(layers, layers[1:])] + [False]
+    entries = [_entry_point(layer, index) if layer.input is not None else None
+               for layer in layers]
+    # consecutive pairs
+    swappable = [_swappable(a, b) for a, b in zip(layers, layers[1:], strict=False)] + [False]
     groups: list[fx.Node | None] = [None] * len(layers)
     for i, layer in enumerate(layers):
         x = layer.input

@@ -47,7 +47,8 @@ def npu_backend() -> Callable:
             "'aot_eager'."
         ) from err
     if not hasattr(torchair, "get_npu_backend"):
-        raise RuntimeError(f"swap_pass.{_API}: this torchair ({getattr(torchair, '__version__', '?')}) "
+        version = getattr(torchair, "__version__", "?")
+        raise RuntimeError(f"swap_pass.{_API}: this torchair ({version}) "
                            "has no get_npu_backend. torchair >= 2.1 is needed.")
     return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
 
@@ -77,7 +78,7 @@ class CompiledLayers:
             return
         if self.swap is not None:
             self.swap.remove()
-        for layer, saved in zip(self.layers, self._saved):
+        for layer, saved in zip(self.layers, self._saved, strict=True):
             del layer.__dict__["forward"]
             if saved is not _MISSING:
                 layer.__dict__["forward"] = saved

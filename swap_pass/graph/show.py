@@ -51,7 +51,7 @@ def _capture(backend_inner, recompute: bool = True):
         pairs["before"] = min_cut_rematerialization_partition(joint, inputs, **kwargs)
         return pairs["before"]
 
-    for name, backend in (("before", aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+    for _name, backend in (("before", aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                                   partition_fn=plain)),
                           ("after", backend_inner)):
         torch.manual_seed(0)
@@ -94,8 +94,10 @@ def render() -> str:
     (fw0, bw0), (fw1, bw1), swapped = _capture(backend)
     out = [_INTRO, *_eager_pass_section(), "## `swap_backend`: what it swapped", "", "```",
            *map(str, swapped), "```", ""]
-    for title, gm in (("Forward graph before the pass", fw0), ("Forward graph after the pass", fw1),
-                      ("Backward graph before the pass", bw0), ("Backward graph after the pass", bw1)):
+    for title, gm in (("Forward graph before the pass", fw0),
+                      ("Forward graph after the pass", fw1),
+                      ("Backward graph before the pass", bw0),
+                      ("Backward graph after the pass", bw1)):
         out += [f"### {title}", "", "```python", _code(gm), "```", ""]
     return "\n".join(out + _budget_section())
 

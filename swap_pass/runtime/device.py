@@ -181,7 +181,8 @@ class _CppProfilerState:
 # (set by torch.profiler.profile and torch.autograd.profiler.profile): a module attribute read,
 # where torch._C._autograd._profiler_enabled() is a pybind call, about 0.7 us per copy inside a
 # step of the host-cost model (swap_pass.bench.host_cost; py-spy).
-_profiler_flag = (torch.autograd.profiler if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
+_profiler_flag = (torch.autograd.profiler
+                  if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
                   else _CppProfilerState())
 COPY_RANGE = "swap_pass::copy"
 

@@ -1,4 +1,7 @@
-"""Exceptions raised by swap_pass. Messages read ``swap_pass.<api>: what failed. What must hold.``"""
+"""Exceptions raised by swap_pass.
+
+Messages read ``swap_pass.<api>: what failed. What must hold.``
+"""
 
 from __future__ import annotations
 

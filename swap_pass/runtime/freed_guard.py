@@ -96,7 +96,8 @@ def _describe(func) -> tuple[str, bool]:
 
 
 class _SwappedOut(torch.Tensor):
-    """The class of a tensor while its device storage is freed (see Note: [Guarding freed tensors])."""
+    """The class of a tensor while its device storage is freed
+    (see Note: [Guarding freed tensors])."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

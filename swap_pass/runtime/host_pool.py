@@ -35,8 +35,8 @@ import torch
 from swap_pass.runtime import stats
 from swap_pass.runtime.errors import HostMemoryError
 
-__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight", "return_pinned_memory",
-           "storage_use_count"]
+__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight",
+           "return_pinned_memory", "storage_use_count"]
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -233,7 +233,8 @@ class HostBufferPool:
             if stat_deltas:
                 stats.record(**stat_deltas)
 
-    def _put_back(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
+    def _put_back(self, buf: torch.Tensor, event: object = None,
+                  pinned: bool | None = None) -> None:
         """Return ``buf`` to its bucket; ``event`` as in :meth:`release`."""
         if self.on_release is not None:
             self.on_release(buf)

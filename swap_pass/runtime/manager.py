@@ -157,7 +157,8 @@ class SwapLayerInputManager:
             _renumber(layers)
 
     def __repr__(self) -> str:
-        return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, layer_idx={self.layer_idx}, "
+        return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, "
+                f"layer_idx={self.layer_idx}, "
                 f"num_layers={self.num_layers}, in_flight={len(self.batch_stack)})")
 
     def __reduce__(self) -> tuple:
@@ -226,7 +227,8 @@ class SwapLayerInputManager:
 
     # --- forward side -------------------------------------------------------------------------
 
-    def claim(self, tensors: list[torch.Tensor], *, leaves_owned: bool = False) -> list[torch.Tensor]:
+    def claim(self, tensors: list[torch.Tensor], *,
+              leaves_owned: bool = False) -> list[torch.Tensor]:
         """The layer inputs that may leave the device, decided at the layer's entry.
 
         See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``: user data and storages

@@ -80,7 +80,8 @@ def record_skip(reason: SkipReason, nbytes: int, *, where: str | None = None,
 def _message(reason: SkipReason, nbytes: int, where: str | None, detail: str) -> str:
     place = f" in {where}" if where else ""
     return (f"swap_pass: a tensor of {nbytes} bytes{place} stays on the device ({reason.value}). "
-            f"swap_stats().skipped_bytes[{reason.value!r}] counts it.{' ' + detail if detail else ''}"
+            f"swap_stats().skipped_bytes[{reason.value!r}] counts it."
+            f"{' ' + detail if detail else ''}"
             " (Shown once per reason and place until swap_pass.reset().)")
 
 

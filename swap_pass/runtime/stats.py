@@ -90,8 +90,15 @@ _skipped_bytes: dict[str, int] = {}
 _skips: dict[str, int] = {}
 # The two older per-reason fields, kept in step with skipped_bytes.
 _LEGACY_FIELD = {"user_data": "skipped_user_bytes", "shared_storage": "skipped_shared_bytes"}
-_host_gauges: Callable[[], dict[str, int]] = lambda: dict.fromkeys(_HOST_GAUGES, 0)
-_restart_host_gauges: Callable[[], None] = lambda: None
+
+
+# Until the host buffer pool registers its own (set_host_gauges): no host buffers.
+def _host_gauges() -> dict[str, int]:
+    return dict.fromkeys(_HOST_GAUGES, 0)
+
+
+def _restart_host_gauges() -> None:
+    return None
 
 
 def set_host_gauges(read: Callable[[], dict[str, int]], restart: Callable[[], None]) -> None:

@@ -87,7 +87,8 @@ def _is_view_of_parameter(tensor: torch.Tensor) -> bool:
     return False
 
 
-def is_valid_for_swap(tensor: object, custom_check_fn: Callable[[torch.Tensor], bool] | None = None) -> bool:
+def is_valid_for_swap(tensor: object,
+                      custom_check_fn: Callable[[torch.Tensor], bool] | None = None) -> bool:
     """Whether ``tensor`` may be swapped.
 
     False for non-tensors, ``nn.Parameter`` and views of one, tensors whose storage is empty
@@ -288,8 +289,9 @@ class SwapTensors:
     # A group is made per swapped layer per step: its own attributes live in slots (``__dict__``
     # is made only for attributes a caller adds).
     __slots__ = ("config", "tensors", "name", "device", "stat", "kept_on_device", "guarded",
-                 "previous_link", "entry_mark", "_entries", "_nbytes", "_host_nbytes", "_entry_tensors",
-                 "_keys", "_ds", "_pinned", "_event", "_out_waited", "__dict__", "__weakref__")
+                 "previous_link", "entry_mark", "_entries", "_nbytes", "_host_nbytes",
+                 "_entry_tensors", "_keys", "_ds", "_pinned", "_event", "_out_waited",
+                 "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -397,7 +399,7 @@ class SwapTensors:
             self._expect(D2H, "SwapTensors.wait_d2h")
         entries = self._entries
         for e in entries:  # nothing written since swap_to_host()
-            for t, v in zip(e.tensors, e.versions):
+            for t, v in zip(e.tensors, e.versions, strict=True):
                 if t._version != v:
                     raise _modified_error(self.name, t, v, "between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and entries:
@@ -442,7 +444,8 @@ class SwapTensors:
         self.stat = H2D
 
     def wait_h2d(self) -> None:
-        """Make the compute stream wait for the data, then release the host buffers ("h2d" -> "device")."""
+        """Make the compute stream wait for the data, then release the host buffers
+        ("h2d" -> "device")."""
         if self.stat is not H2D:  # checked inline: every transition passes here
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries

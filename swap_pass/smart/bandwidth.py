@@ -1,4 +1,5 @@
-"""Device-to-host copy bandwidth, measured once for SmartSwap's simulator and the graph's budget mode."""
+"""Device-to-host copy bandwidth, measured once for SmartSwap's simulator and the graph's
+budget mode."""
 
 from __future__ import annotations
 

@@ -127,11 +127,12 @@ def _interleaved(variants: dict, steps: int, clock: str) -> dict[str, list[float
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
     """Median over turns of a[i] / b[i]: paired, so slow drifts cancel."""
-    return statistics.median(x / y for x, y in zip(a, b))
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def _torch_profiler():
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  record_shapes=True)
 
 
 def profiler_overhead_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2, seq: int = 256,
@@ -182,7 +183,8 @@ def _overhead_rows(cfg, batch, seq, steps, clock, seed) -> list[dict]:
     none, tp = times["none"], times["torch.profiler(record_shapes)"]
     return [{"name": name, "clock": clock, "step_ms": round(statistics.median(ts) * 1e3, 3),
              "ratio_vs_none": round(_median_ratio(ts, none), 4),
-             "ratio_vs_torch_profiler": round(_median_ratio(ts, tp), 4)} for name, ts in times.items()]
+             "ratio_vs_torch_profiler": round(_median_ratio(ts, tp), 4)}
+            for name, ts in times.items()]
 
 
 def _null_ctx():
@@ -193,7 +195,8 @@ def _null_ctx():
 def budget_rows(cfg: LlamaConfig = BENCH_CONFIG, *, batch: int = 2, seq: int = 256,
                 fraction: float = 0.25, steps: int = 5, seed: int = 0,
                 change_seq: int | None = None, change_steps: int = 2) -> list[dict]:
-    """Peak resident saved bytes under SmartSwap against a budget of ``fraction`` x the unswapped peak.
+    """Peak resident saved bytes under SmartSwap against a budget of ``fraction`` x the
+    unswapped peak.
 
     Args:
         change_seq: When given, ``change_steps`` more steps run at this sequence length after
@@ -298,7 +301,8 @@ def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict
     budgets = {n: int(fraction * _unswapped_peak(plain, b)) for n, b in batches.items()}
     tick = _CLOCKS["cpu"]
     rows, waits = [], []
-    with SmartSwap(model, memory_budget=fraction, config=SmartSwapConfig(plan_cache_size=cache_size)) as smart:
+    with SmartSwap(model, memory_budget=fraction,
+                   config=SmartSwapConfig(plan_cache_size=cache_size)) as smart:
         for n in seqs:
             with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
                 t0 = tick()
@@ -309,7 +313,8 @@ def _dynamic_row(cfg, batch, lengths, steps, fraction, seed, cache_size) -> dict
             with ResidentSavedBytes(model) as counter:
                 _train_step(model, batches[n])
             smart.step()
-            rows.append((n, step_kind(stage, smart.last_report), counter.peak, tick() - t0, plain_s))
+            rows.append((n, step_kind(stage, smart.last_report), counter.peak, tick() - t0,
+                         plain_s))
             waits += smart.last_report.d2h_waits
         cache = smart.plan_cache.stats() if smart.plan_cache is not None else None
     return {**_dynamic_summary(rows, budgets, cache_size, cache),
@@ -328,7 +333,7 @@ _LETTER = {"planned": "p", "conservative": "c", "profiling": "P"}
 def _dynamic_summary(rows, budgets, cache_size, cache) -> dict:
     kinds = [k for _, k, _, _, _ in rows]
     ratios = [round(peak / budgets[n], 3) for n, _, peak, _, _ in rows]
-    planned = [r for r, k in zip(ratios, kinds) if k == "planned"]
+    planned = [r for r, k in zip(ratios, kinds, strict=True) if k == "planned"]
     return {
         "name": f"varying length, plan_cache_size={cache_size}",
         "steps": len(rows), "lengths": sorted(budgets),

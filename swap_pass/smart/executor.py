@@ -71,7 +71,8 @@ __all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "St
 
 
 def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (recompute, double backward)."""
+    """True while the autograd engine runs a backward on this thread (recompute, double
+    backward)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -126,7 +127,8 @@ class SmartExecutor:
         """Reset the per-pass state: every micro-batch of a step runs the plan from its start."""
         self._complete_inflight()
         self.mode = self.step_mode
-        record = self.mode == ExecMode.DETAILED or (self.mode == ExecMode.PLANNED and self.record_planned)
+        record = (self.mode == ExecMode.DETAILED
+                  or (self.mode == ExecMode.PLANNED and self.record_planned))
         self.unit = MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
                                 self.match_window, record)
         self.report.units.append(self.unit.report)
@@ -272,7 +274,8 @@ class SmartExecutor:
     # --- choosing a cached plan mid-step --------------------------------------------------------
 
     def _switch_plan(self, key: int, nbytes: int) -> int | None:
-        """On a miss, run the cached plan that fits this micro-batch so far; its position of ``key``.
+        """On a miss, run the cached plan that fits this micro-batch so far; its position of
+        ``key``.
 
         Note: [Choosing a cached plan mid-step]
         A step's signature is known only at its end, but the first saved tensor whose shape
@@ -315,20 +318,24 @@ class SmartExecutor:
         rank = (by_structure, positions.count(None), size if by_structure else 0)
         return rank, plan, matcher, positions, by_structure
 
-    def _retag(self, plan: SwapPolicy, matcher: OnlineMatcher, positions: list, by_structure: bool) -> None:
+    def _retag(self, plan: SwapPolicy, matcher: OnlineMatcher, positions: list,
+               by_structure: bool) -> None:
         unit = self.unit
         unit.policy, unit.matcher, unit.by_structure = plan, matcher, by_structure
         unit.report.switched = True
         unit.by_index = {}
         slots = {}
-        for ref, pos in zip(unit.handles, positions):
+        # positions also covers the tensor being saved now, whose handle is not in
+        # unit.handles yet
+        for ref, pos in zip(unit.handles, positions, strict=False):
             handle = ref() if ref is not None else None
             if handle is None:
                 continue
             handle.index = -1 if pos is None else pos
             if handle.slot is not None and handle.slot.group is None:
                 slot = handle.slot
-                swap = slots.get(id(slot), (slot, False))[1] or (pos is not None and plan.entries[pos].swap)
+                swap = (slots.get(id(slot), (slot, False))[1]
+                        or (pos is not None and plan.entries[pos].swap))
                 slots[id(slot)] = (slot, swap)
             if handle.slot is not None and pos is not None:
                 unit.by_index[pos] = weakref.ref(handle.slot)
@@ -391,7 +398,8 @@ class SmartExecutor:
         slot.group = group
         group.swap_to_host()
         slot.issued, slot.due = self.unit.group, self._due()
-        if slot.due > self.unit.group or (group.device is not None and is_async_device(group.device)):
+        if (slot.due > self.unit.group
+                or (group.device is not None and is_async_device(group.device))):
             self._inflight.append(slot)  # see Note: [Waiting for a copy a logical layer later]
         else:
             group.wait_d2h()

@@ -70,7 +70,8 @@ class PlanCache:
         return plan, distance
 
     def put(self, plan: SwapPolicy) -> None:
-        """Add ``plan`` as the most recently used, evicting the least recently used past ``size``."""
+        """Add ``plan`` as the most recently used, evicting the least recently used past
+        ``size``."""
         self._plans[plan.signature] = plan
         self._plans.move_to_end(plan.signature)
         while len(self._plans) > self.size:

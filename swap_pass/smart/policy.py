@@ -26,8 +26,8 @@ import functools
 from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife
 from swap_pass.smart.simulator import SimResult, simulate
 
-__all__ = ["PolicyEntry", "SwapPolicy", "explain_peak", "free_ticks", "gen_policy", "prefetch_ticks",
-           "replay_peak"]
+__all__ = ["PolicyEntry", "SwapPolicy", "explain_peak", "free_ticks", "gen_policy",
+           "prefetch_ticks", "replay_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,8 @@ class SwapPolicy:
 
 
 def prefetch_ticks(profile: DetailedProfile, depth: int, groups: int) -> dict[int, tuple[int, int]]:
-    """For each unpacked storage: (tick its copy back starts, record index whose unpack triggers it).
+    """For each unpacked storage: (tick its copy back starts, record index whose unpack
+    triggers it).
 
     Backward's unpacks are cut into ``groups`` equal logical layers of ``U / groups`` unpacks;
     a storage first read at unpack rank ``r`` is brought back at rank
@@ -206,7 +207,8 @@ def replay_peak(profile: DetailedProfile, swapped: set[int], depth: int, groups:
 
 
 def memory_reduction_list(profile: DetailedProfile, budget: int) -> list[tuple[int, int, int]]:
-    """Runs of ticks where the unswapped resident bytes pass ``budget``: (first, last, max excess)."""
+    """Runs of ticks where the unswapped resident bytes pass ``budget``:
+    (first, last, max excess)."""
     events = []
     for life in profile.storages:
         for start, stop in _intervals(life, False, None, profile.end_tick, None):
@@ -227,7 +229,8 @@ def memory_reduction_list(profile: DetailedProfile, budget: int) -> list[tuple[i
 
 
 def candidate_list(profile: DetailedProfile, min_swap_bytes: int) -> list[int]:
-    """Storages that can leave after their last forward holder and return before backward reads them."""
+    """Storages that can leave after their last forward holder and return before backward
+    reads them."""
     bwd = profile.backward_tick
     return [
         i for i, s in enumerate(profile.storages)
@@ -252,7 +255,8 @@ def _greedy(profile: DetailedProfile, budget: int, cands: list[int], depth: int,
             return chosen
         covering = [c for c in cands if c not in chosen and free[c] <= tick < back[c][0]]
         if not covering:  # Note: [Budgets the peak cannot reach]
-            return _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups, overlap)
+            return _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups,
+                                    overlap)
         covering.sort(key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
         excess = peak - budget
         for c in covering:
@@ -286,10 +290,13 @@ def _curve(profile: DetailedProfile, chosen: set[int], depth: int, groups: int,
 def _excess_area(profile, chosen, depth, groups, overlap, budget) -> int:
     """Bytes x ticks the resident curve of a choice spends above ``budget``."""
     ticks, mem = _curve(profile, chosen, depth, groups, overlap)
-    return sum(max(m - budget, 0) * (t1 - t0) for t0, t1, m in zip(ticks, ticks[1:], mem))
+    # consecutive ticks: the last tick opens no interval
+    return sum(max(m - budget, 0) * (t1 - t0)
+               for t0, t1, m in zip(ticks, ticks[1:], mem, strict=False))
 
 
-def _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups, overlap) -> set[int]:
+def _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups,
+                     overlap) -> set[int]:
     """The peak cannot come down: still take every candidate (largest first) that is off the
     device at some tick still over budget, so the rest of the step comes as low as it can.
 
@@ -330,12 +337,15 @@ def explain_peak(profile: DetailedProfile, chosen: set[int], depth: int, groups:
         if any(a <= tick < b for a, b in spans):
             cause = _cause(profile, life, ordinal, tick, back_in, free, min_swap_bytes)
             causes[cause] = causes.get(cause, 0) + life.nbytes
-    phase = "backward" if profile.backward_tick is not None and tick >= profile.backward_tick else "forward"
-    parts = ", ".join(f"{n} B {cause}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+    in_backward = profile.backward_tick is not None and tick >= profile.backward_tick
+    phase = "backward" if in_backward else "forward"
+    parts = ", ".join(f"{n} B {cause}"
+                      for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
     return tick, f"the peak of {peak} B lies at tick {tick} ({phase}), where {parts}"
 
 
-def _cause(profile, life: StorageLife, ordinal: int, tick: int, back_in, free, min_swap_bytes) -> str:
+def _cause(profile, life: StorageLife, ordinal: int, tick: int, back_in, free,
+           min_swap_bytes) -> str:
     if life.nbytes < max(min_swap_bytes, 1):
         return "are below min_swap_bytes"
     if life.released is None or life.released > tick:
@@ -353,7 +363,8 @@ def _group_of_record(index: int, n: int, groups: int) -> int:
     return index * groups // max(n, 1)
 
 
-def _group_bytes(profile: DetailedProfile, chosen: set[int], groups: int) -> tuple[list[int], list[int]]:
+def _group_bytes(profile: DetailedProfile, chosen: set[int],
+                 groups: int) -> tuple[list[int], list[int]]:
     resident, swap = [0] * groups, [0] * groups
     n = len(profile.records)
     for ordinal, life in enumerate(profile.storages):
@@ -383,7 +394,8 @@ def _choose(profile, budget, cands, groups, max_depth, max_overlap, sim_args):
             peak, _ = replay_peak(profile, chosen, depth, groups, overlap)
             sim = _simulate(profile, chosen, groups, depth, *sim_args)
             moved = sum(profile.storages[c].nbytes for c in chosen)
-            over = _excess_area(profile, chosen, depth, groups, overlap, budget) if peak > budget else 0
+            over = (_excess_area(profile, chosen, depth, groups, overlap, budget)
+                    if peak > budget else 0)
             rank = (peak > budget, peak if peak > budget else 0, over, -overlap,
                     round(sim.stall_s, 9), moved, depth)
             if best_rank is None or rank < best_rank:
@@ -449,7 +461,8 @@ def _entries(records: list[SavedRecord], storages: list[StorageLife], chosen: se
     ]
 
 
-def _prefetch_plan(profile: DetailedProfile, chosen: set[int], depth: int, groups: int) -> dict[int, list[int]]:
+def _prefetch_plan(profile: DetailedProfile, chosen: set[int], depth: int,
+                   groups: int) -> dict[int, list[int]]:
     plan: dict[int, list[int]] = {}
     for ordinal, (tick, trigger) in prefetch_ticks(profile, depth, groups).items():
         life = profile.storages[ordinal]

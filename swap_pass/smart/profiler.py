@@ -253,8 +253,8 @@ class LightweightProfiler:
         if type(local) is SkipReason:  # no plain storage: never model state, never moved
             return t
         is_state = fn is None and local.untyped_storage().data_ptr() in self._state
-        self.keys.append(hash(("leaf" if fn is None else type(fn).__name__, self._tracker._stack[-1],
-                               t.dtype, t.shape, is_state)))
+        self.keys.append(hash(("leaf" if fn is None else type(fn).__name__,
+                               self._tracker._stack[-1], t.dtype, t.shape, is_state)))
         return t
 
     def step(self) -> int:

@@ -56,7 +56,8 @@ class StepReport:
     units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
-        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, matched={self.matched}, "
+        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, "
+                f"matched={self.matched}, "
                 f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
                 f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
                 f"fell_back={self.fell_back}, micro_batches={self.micro_batches})")

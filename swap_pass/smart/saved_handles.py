@@ -37,7 +37,8 @@ class Slot:
         self.issued = self.due = 0  # logical layers its device-to-host copy started / is waited in
 
     def releasable(self) -> bool:
-        """True when nothing but our aliases holds the storage (see Note: [When a saved tensor may leave])."""
+        """True when nothing but our aliases holds the storage
+        (see Note: [When a saved tensor may leave])."""
         return outside_holders(self.aliases) == 0  # Note: [Ownership rule] in runtime/ownership.py
 
 
@@ -104,5 +105,6 @@ def check_version(handle: Handle) -> None:
         raise RuntimeError(
             f"swap_pass.SmartSwap: a tensor saved for backward (shape {tuple(t.shape)}, {t.dtype}) "
             f"was modified by an inplace operation after it was saved (version {handle.version} -> "
-            f"{data_version(t)}). A saved tensor must not be written before backward; clone it first."
+            f"{data_version(t)}). A saved tensor must not be written before backward; "
+            "clone it first."
         )

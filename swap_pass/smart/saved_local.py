@@ -86,7 +86,8 @@ def storage_nbytes(t: torch.Tensor) -> int:
         if t.layout == torch.sparse_coo:
             return t._values().nbytes + t._indices().nbytes
         if t.layout in _COMPRESSED:
-            return t.values().nbytes + sum(getattr(t, name)().nbytes for name in _COMPRESSED[t.layout])
+            return t.values().nbytes + sum(getattr(t, name)().nbytes
+                                           for name in _COMPRESSED[t.layout])
         if t.is_nested:
             return t.values().nbytes if t.layout == torch.jagged else t.untyped_storage().nbytes()
         return t.numel() * t.element_size()

@@ -48,7 +48,8 @@ def _check_inputs(fwd_s, bwd_s, resident_bytes, swap_bytes, d2h_bw, h2d_bw, dept
         )
     if d2h_bw <= 0 or h2d_bw <= 0:
         raise ValueError(
-            f"swap_pass.simulate: bandwidths ({d2h_bw}, {h2d_bw}) bytes/s are invalid. They must be > 0."
+            f"swap_pass.simulate: bandwidths ({d2h_bw}, {h2d_bw}) bytes/s are invalid. "
+            "They must be > 0."
         )
     if depth < 0:
         raise ValueError(f"swap_pass.simulate: prefetch_depth={depth} is invalid. It must be >= 0.")
@@ -60,7 +61,7 @@ def _forward(fwd_s, resident_bytes, swap_bytes, d2h_bw) -> tuple[float, float, i
     mem = peak = 0
     channel_free = 0.0
     waiting: list[tuple[float, int]] = []  # (copy done at, bytes) of groups not yet freed
-    for fwd, res, swp in zip(fwd_s, resident_bytes, swap_bytes):
+    for fwd, res, swp in zip(fwd_s, resident_bytes, swap_bytes, strict=True):
         now += fwd
         mem += res + swp
         peak = max(peak, mem)
@@ -78,7 +79,8 @@ def _forward(fwd_s, resident_bytes, swap_bytes, d2h_bw) -> tuple[float, float, i
     return now, stall, peak, mem
 
 
-def _backward(now, mem, bwd_s, resident_bytes, swap_bytes, h2d_bw, depth) -> tuple[float, float, int]:
+def _backward(now, mem, bwd_s, resident_bytes, swap_bytes, h2d_bw,
+              depth) -> tuple[float, float, int]:
     """Backward pass in reverse group order: returns (end time, stall, peak bytes)."""
     n = len(bwd_s)
     stall, peak = 0.0, mem
@@ -132,7 +134,8 @@ def simulate(
     Raises:
         ValueError: sequences of different lengths, a bandwidth <= 0 or a negative depth.
     """
-    _check_inputs(fwd_s, bwd_s, resident_bytes, swap_bytes, d2h_bandwidth, h2d_bandwidth, prefetch_depth)
+    _check_inputs(fwd_s, bwd_s, resident_bytes, swap_bytes, d2h_bandwidth, h2d_bandwidth,
+                  prefetch_depth)
     now, f_stall, f_peak, mem = _forward(fwd_s, resident_bytes, swap_bytes, d2h_bandwidth)
     end, b_stall, b_peak = _backward(now, mem, bwd_s, resident_bytes, swap_bytes,
                                      h2d_bandwidth, prefetch_depth)

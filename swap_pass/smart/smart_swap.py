@@ -103,7 +103,8 @@ class SmartSwapConfig:
             _check(name, getattr(self, name), getattr(self, name) >= 0, ">= 0")
         for name in ("num_groups", "match_window", "miss_limit"):
             _check(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
-        _check("signature_threshold", self.signature_threshold, 0 <= self.signature_threshold <= 1, "in [0, 1]")
+        _check("signature_threshold", self.signature_threshold,
+               0 <= self.signature_threshold <= 1, "in [0, 1]")
         _check("fwd_fraction", self.fwd_fraction, 0 < self.fwd_fraction < 1, "in (0, 1)")
         for name in ("d2h_bandwidth", "h2d_bandwidth"):
             v = getattr(self, name)
@@ -113,7 +114,8 @@ class SmartSwapConfig:
 
 def _check(name: str, value, ok: bool, must: str) -> None:
     if not ok:
-        raise ValueError(f"swap_pass.SmartSwapConfig: {name}={value!r} is invalid. It must be {must}.")
+        raise ValueError(f"swap_pass.SmartSwapConfig: {name}={value!r} is invalid. "
+                         f"It must be {must}.")
 
 
 _MODE = {Stage.WARMUP: ExecMode.CONSERVATIVE, Stage.GEN_POLICY: ExecMode.DETAILED,
@@ -165,7 +167,8 @@ class SmartSwap:
         self.memory_budget = memory_budget
         self._controller = StageController(config.warmup_steps, config.signature_threshold)
         self._executor = SmartExecutor(config.swap, min_swap_bytes=config.min_swap_bytes,
-                                       match_window=config.match_window, miss_limit=config.miss_limit)
+                                       match_window=config.match_window,
+                                       miss_limit=config.miss_limit)
         self._executor.where = f"SmartSwap({type(model).__name__})"
         self.policy: SwapPolicy | None = None
         self.last_profile: DetailedProfile | None = None
@@ -204,7 +207,8 @@ class SmartSwap:
 
     def __enter__(self) -> SmartSwap:
         if self._hooks is not None:
-            raise RuntimeError("swap_pass.SmartSwap: entered twice. It must be entered once at a time.")
+            raise RuntimeError("swap_pass.SmartSwap: entered twice. "
+                               "It must be entered once at a time.")
         if _active:
             raise RuntimeError(
                 f"swap_pass.SmartSwap: entered inside another SmartSwap (over "
@@ -218,7 +222,8 @@ class SmartSwap:
             self._tracker.post_forward_callbacks.append(self._executor.poll)
             self._executor.fqn = lambda: self._tracker.fqn
             self._executor.in_forward = self._tracker.in_forward
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack, self._executor.unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack,
+                                                             self._executor.unpack)
             hooks.__enter__()  # raises inside torch.autograd.graph.disable_saved_tensors_hooks
             self._hooks = hooks
             _active.append(self)
@@ -380,12 +385,14 @@ class SmartSwap:
         d2h, h2d = self._bandwidths()
         c = self.config
         policy = gen_policy(profile, self._budget_bytes(profile), num_groups=c.num_groups,
-                            min_swap_bytes=c.min_swap_bytes, max_prefetch_depth=c.max_prefetch_depth,
+                            min_swap_bytes=c.min_swap_bytes,
+                            max_prefetch_depth=c.max_prefetch_depth,
                             fwd_fraction=c.fwd_fraction, d2h_bandwidth=d2h, h2d_bandwidth=h2d,
                             max_overlap_groups=c.d2h_overlap_groups)
         if not policy.feasible and not self._warned_infeasible:
             self._warned_infeasible = True
-            warnings.warn(_infeasible_message(self.memory_budget, policy), RuntimeWarning, stacklevel=3)
+            warnings.warn(_infeasible_message(self.memory_budget, policy), RuntimeWarning,
+                          stacklevel=3)
         return policy
 
     def _budget_bytes(self, profile: DetailedProfile) -> int:

@@ -81,7 +81,8 @@ class StageController:
         self._steps_in_stage += 1
         if self.stage == Stage.WARMUP:
             if self._steps_in_stage >= self.warmup_steps:
-                return self._move(step, Stage.GEN_POLICY, f"warmup done after {self.warmup_steps} step(s)")
+                return self._move(step, Stage.GEN_POLICY,
+                                  f"warmup done after {self.warmup_steps} step(s)")
             return self.stage
         if self.stage == Stage.GEN_POLICY:
             if policy_built:

@@ -57,7 +57,8 @@ def test_param_count_matches_the_model():
 @pytest.mark.slow
 def test_planner_within_15_percent_of_measured_peaks_in_bf16():
     """Each method's planned activation peak against the bench's profiled peak of the same step, in
-    bf16 (the accelerator preset's dtype: norms and the loss copy to fp32). fp32: the command test."""
+    bf16 (the accelerator preset's dtype: norms and the loss copy to fp32). fp32: the command
+    test."""
     preset = get_preset("tiny").resized(batch=1, seq=128, dtype="bf16", timed_steps=1)
     shape, budget = ModelShape.from_preset(preset), 256 * 1024
     by_key = {m.key: m for m in METHODS}
@@ -71,13 +72,14 @@ def test_planner_within_15_percent_of_measured_peaks_in_bf16():
 def test_capacity_command_small_cap_json_peaks_losses_planner(tmp_path, capsys):
     """Every reported size ran within the cap, a size more did not, losses equal no swap's."""
     out = tmp_path / "cap.json"
-    rc = main(["capacity", "--preset", "tiny", "--seq", "64", "--device-memory", "3MiB", "--search-max", "12",
-               "--json", str(out)])
+    rc = main(["capacity", "--preset", "tiny", "--seq", "64", "--device-memory", "3MiB",
+               "--search-max", "12", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "VIRTUAL cap, CPU" in text and "planner: planned peaks within" in text
     data = json.loads(out.read_text())
-    assert data["device_memory"] == 3 * MIB and data["dim"] == "batch" and data["virtual_cap"] is True
+    assert (data["device_memory"] == 3 * MIB and data["dim"] == "batch"
+            and data["virtual_cap"] is True)
     rows = {r["method"]: r for r in data["rows"]}
     assert set(rows) == set(METHOD_KEYS)
     for key, row in rows.items():
@@ -87,7 +89,8 @@ def test_capacity_command_small_cap_json_peaks_losses_planner(tmp_path, capsys):
         assert abs(row["planned_peak_bytes"] / row["peak_bytes"] - 1) <= 0.15
         assert row["step_ms"] > 0 and row["cpu_ms"] > 0
         beyond = [p for p in row["probes"] if p["size"] == row["max"] + 1]
-        assert row["max"] == 12 or (beyond and not beyond[0]["fits"] and beyond[0]["peak_bytes"] > 3 * MIB)
+        assert row["max"] == 12 or (
+            beyond and not beyond[0]["fits"] and beyond[0]["peak_bytes"] > 3 * MIB)
         if key != "no_swap":
             assert row["exact"] is True and row["exact_at"] == rows["no_swap"]["max"]
     assert rows["no_swap"]["exact"] is None
@@ -135,22 +138,24 @@ def test_sizes_per_dim():
 def test_planned_table_ranks_methods_and_flags_host_limit():
     tiny = get_preset("tiny")
     rows = {r.method: r for r in plan_capacity(tiny, "batch", 64 * MIB, 2**40)}
-    assert rows["no_swap"].max < rows["recompute"].max < rows["eager_swap"].max <= rows["smartswap"].max
+    assert (rows["no_swap"].max < rows["recompute"].max < rows["eager_swap"].max
+            <= rows["smartswap"].max)
     assert all(r.memory.peak_bytes <= 64 * MIB and r.limited_by == "device" for r in rows.values())
     starved = {r.method: r for r in plan_capacity(tiny, "batch", 64 * MIB, 4 * MIB)}
-    assert starved["smartswap"].limited_by == "host" and starved["smartswap"].max < rows["smartswap"].max
+    assert (starved["smartswap"].limited_by == "host"
+            and starved["smartswap"].max < rows["smartswap"].max)
     assert starved["no_swap"].max == rows["no_swap"].max
 
 
 def test_plan_device_memory_command(capsys):
-    rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32", "--device-memory", "80GiB",
-               "--host-memory", "1GiB"])
+    rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32",
+               "--device-memory", "80GiB", "--host-memory", "1GiB"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "swap-pass plan --device-memory" in out and "recompute + swap" in out
     assert "warning: SmartSwap is limited by host memory" in out
-    rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32", "--device-memory", "64GiB",
-               "--optimizer", "adam", "--host-memory", "1TiB"])
+    rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32",
+               "--device-memory", "64GiB", "--optimizer", "adam", "--host-memory", "1TiB"])
     assert rc == 0 and "model state alone is 65.83 GiB" in capsys.readouterr().out
 
 

@@ -44,7 +44,8 @@ def test_demo_rows_are_measured_and_compared():
 
 
 def test_demo_command_prints_the_table(capsys):
-    rc = main(["demo", "--layers", "2", "--seq", "32", "--hidden", "32", "--steps", "3", "--no-progress"])
+    rc = main(["demo", "--layers", "2", "--seq", "32", "--hidden", "32", "--steps", "3",
+               "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "model: 2 layers, hidden 32, batch 4, seq 32, fp32, on cpu, 1 intra-op thread(s)" in out

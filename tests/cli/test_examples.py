@@ -17,16 +17,19 @@ import swap_pass
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-# Times are measured, not asserted (docs/results.md, "First commands' run time"): under load a wall-time bound
-# fails for the wrong reason. The timeout only turns a hang into a failure.
+# Times are measured, not asserted (docs/results.md, "First commands' run time"): under load a
+# wall-time bound fails for the wrong reason. The timeout only turns a hang into a failure.
 HANG_S = 280  # below pytest-timeout (300 s), so the message names the subprocess
 
 CASES = [
     pytest.param("00_runtime.py", [], id="runtime"),
-    pytest.param("01_decorators.py", ["swap_layer_input_init_wrapper", "swap_layer_input_forward_wrapper"],
+    pytest.param("01_decorators.py",
+                 ["swap_layer_input_init_wrapper", "swap_layer_input_forward_wrapper"],
                  id="decorators", marks=pytest.mark.slow),
-    pytest.param("02_hf_llama.py", ["enable_swap_layer_input"], id="hf_llama", marks=pytest.mark.slow),
-    pytest.param("03_compile_backend.py", ["make_swap_backend"], id="compile", marks=pytest.mark.slow),
+    pytest.param("02_hf_llama.py", ["enable_swap_layer_input"], id="hf_llama",
+                 marks=pytest.mark.slow),
+    pytest.param("03_compile_backend.py", ["make_swap_backend"], id="compile",
+                 marks=pytest.mark.slow),
     pytest.param("05_smartswap.py", ["SmartSwap"], id="smartswap", marks=pytest.mark.slow),
 ]
 
@@ -38,7 +41,8 @@ def _skip_unless_available(names: list[str]) -> None:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
 
 

@@ -1,4 +1,5 @@
-"""``scripts/gpu_check.sh`` parses, and runs the stages the GPU check needs (dry run on CPU: slow)."""
+"""``scripts/gpu_check.sh`` parses, and runs the stages the GPU check needs (dry run on CPU:
+slow)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def test_script_parses_and_runs_the_required_stages():
 
 @pytest.mark.slow
 def test_dry_run_writes_its_outputs_under_out(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_NO_INSTALL": "1", "GPU_CHECK_PRESET": "tiny",
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_NO_INSTALL": "1",
+           "GPU_CHECK_PRESET": "tiny",
            "GPU_CHECK_BENCH_ARGS": "--layers 2 --seq 64 --steps 1 --warmup 1 --no-smart-rows",
            "GPU_CHECK_CAPACITY_CAP": "3MiB", "GPU_CHECK_CAPACITY_ARGS": "--seq 64 --search-max 12"}
-    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert "bench bench-tiny: ok" in summary and "bench bench-tiny-compile: ok" in summary
@@ -43,4 +46,5 @@ def test_dry_run_writes_its_outputs_under_out(tmp_path):
     assert (tmp_path / "env.txt").read_text().startswith("torch ")
     assert "capacity (real cap): ok" in summary
     capacity = json.loads((tmp_path / "capacity-tiny.json").read_text())
-    assert capacity["virtual_cap"] is True and all(r["peak_bytes"] <= 3 * 2**20 for r in capacity["rows"])
+    assert capacity["virtual_cap"] is True and all(
+        r["peak_bytes"] <= 3 * 2**20 for r in capacity["rows"])

@@ -38,7 +38,8 @@ def test_micro_batches_multiply_host_memory_and_dtype_sets_bytes():
 def test_d2h_hides_exactly_when_copy_fits_in_forward(factor, hidden):
     base = PlanInputs(hidden=2048, seq=2048, layers=4, tflops=100.0)
     t_fwd = layer_forward_flops(1, 2048, 2048) / 100e12
-    bw = simulate(base).layer_input_bytes / t_fwd / 1e9 * factor  # GB/s that makes copy = factor * window
+    # GB/s that makes copy = factor * window
+    bw = simulate(base).layer_input_bytes / t_fwd / 1e9 * factor
     r = simulate(PlanInputs(hidden=2048, seq=2048, layers=4, tflops=100.0, bandwidth_gbs=bw))
     assert r.d2h_hidden is hidden
     assert r.h2d_hidden  # backward + recompute is 3x the forward window
@@ -88,7 +89,8 @@ def test_plan_says_when_smartswap_simulator_is_missing():
     if _has_smart_simulator():
         pytest.skip("swap_pass.smart.simulator is in this build (see the next test)")
     r = simulate(PlanInputs(hidden=64, seq=64, layers=4))
-    assert r.sim_stall_s is None and r.sim_source == "swap_pass.smart.simulator not available in this build"
+    assert r.sim_stall_s is None
+    assert r.sim_source == "swap_pass.smart.simulator not available in this build"
 
 
 @pytest.mark.parametrize("bandwidth, stalls", [(1000.0, False), (0.5, True)])

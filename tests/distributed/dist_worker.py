@@ -137,7 +137,8 @@ def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
     for hook in hooks:
         hook.remove()
     stats = swap_pass.swap_stats()
-    rec.update(params=m.state(inner, "data"), freed=freed[0], released=stats.peak_device_bytes_released,
+    rec.update(params=m.state(inner, "data"), freed=freed[0],
+               released=stats.peak_device_bytes_released,
                swapped_in=stats.swapped_in_bytes, skipped=stats.skipped_bytes,
                warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
     if handle is not None:
@@ -148,8 +149,10 @@ def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
 def compare(ref: dict, got: dict) -> dict:
     from tests.distributed import models as m
     return {
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
-        "grads_equal": all(m.all_equal(a, b) for a, b in zip(ref["grads"], got["grads"])),
+        "losses_equal": all(torch.equal(a, b)
+                            for a, b in zip(ref["losses"], got["losses"], strict=True)),
+        "grads_equal": all(m.all_equal(a, b)
+                           for a, b in zip(ref["grads"], got["grads"], strict=True)),
         "params_equal": m.all_equal(ref["params"], got["params"]),
         "n_params": len(got["params"]),
         "ref_outs": ref["outs"][-1], "outs": got["outs"], "freed": got["freed"],

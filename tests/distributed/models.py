@@ -107,7 +107,8 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
                                                desired_input_layouts=(Replicate(),)),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     else:
-        parallelize_module(model, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())})
+        parallelize_module(model, mesh,
+                           {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())})
         block_plan = {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
                  "feed_forward.w3"):

@@ -1,8 +1,8 @@
 """DDP, FSDP2 and tensor parallel on 2 gloo ranks (CPU), with and without activation checkpointing.
 
 One spawned process pair runs every setup (``dist_worker.SETUPS``; ``"docs-recipe"`` enables
-swap with docs/distributed.md's recipe block, as written, on the TP + SP model); each setup trains three
-optimizer steps without and with ``enable_swap_layer_input``. Per rank: losses, every gradient
+swap with docs/distributed.md's recipe block, as written, on the TP + SP model); each setup trains
+three optimizer steps without and with ``enable_swap_layer_input``. Per rank: losses, every gradient
 of every step and every parameter after the last step equal (``torch.equal``, local shards of
 DTensors), every block's input but the last off the device at the end of forward, the bytes
 released on this rank exactly those layer inputs' (under sequence parallel, this rank's shard),

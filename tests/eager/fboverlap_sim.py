@@ -128,13 +128,14 @@ def run_schedule(model: FBModel, batches, swap: bool, checkpoint: bool = True, o
     fwd, bwd, fused = make_functions(swap)
     L = len(model.layers)
     mbs = [_Microbatch(model, *b) for b in batches]
-    for j, layer in enumerate(model.layers):  # micro-batch 0: forward only
+    for _j, layer in enumerate(model.layers):  # micro-batch 0: forward only
         mbs[0].hidden, _, g = fwd(layer, mbs[0].hidden, None, checkpoint=checkpoint)
         mbs[0].graphs.append(g)
     mbs[0].finish_forward()
     if on_forward is not None:
         on_forward(mbs[0])
-    for prev, cur in zip(mbs, mbs[1:]):  # forward of cur fused with backward of prev
+    # consecutive pairs: the shorter mbs[1:] ends the zip
+    for prev, cur in zip(mbs, mbs[1:], strict=False):  # forward of cur fused with backward of prev
         for j, layer in enumerate(model.layers):
             bwd_graph = prev.graphs[L - 1 - j]
             cur.hidden, _, g, (prev.grad, _) = fused(layer, cur.hidden, None, prev.grad, bwd_graph,

@@ -75,7 +75,8 @@ class CheckpointedModel(LlamaStyleModel):
         for layer in self.layers:
             h = self.run_layer(layer, h, cos, sin)
         logits = self.lm_head(self.norm(h)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 labels.reshape(-1))
 
 
 def twin(model: torch.nn.Module, factory) -> torch.nn.Module:
@@ -90,7 +91,8 @@ def train_step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model(*batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 
 def assert_exact(ref, got) -> None:

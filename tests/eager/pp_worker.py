@@ -1,8 +1,9 @@
 """One rank of the pipeline-parallel test: real ``torch.distributed.pipelining`` on gloo (CPU).
 
 Each rank trains the same 8-layer tiny Llama split into stages, once without swap and once with
-layers carrying MindSpeed's decorators, under Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B, and
-writes what the test asserts on (exact equality, swaps done, nothing pending) to a JSON file.
+layers carrying MindSpeed's decorators, under Schedule1F1B, ScheduleGPipe and
+ScheduleInterleaved1F1B, and writes what the test asserts on (exact equality, swaps done, nothing
+pending) to a JSON file.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Stage(nn.Module):
     one batch tensor the user passed, go straight into the first layer.
     """
 
-    def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool, raw: bool = False) -> None:
+    def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool,
+                 raw: bool = False) -> None:
         super().__init__()
         from swap_pass.models import LlamaStyleModel
         torch.manual_seed(0)
@@ -92,7 +94,8 @@ def _build(schedule: str, rank: int, layer_cls, recompute: bool, raw: bool = Fal
     per = NUM_LAYERS // n_stages
     ids = [rank + 2 * k for k in range(n_stages // 2)]  # interleaved: rank 0 holds 0 and 2
     mods = [Stage(cfg, i * per, (i + 1) * per, layer_cls, recompute, raw) for i in ids]
-    stages = [pp.PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(mods, ids)]
+    stages = [pp.PipelineStage(m, i, n_stages, torch.device("cpu"))
+              for m, i in zip(mods, ids, strict=True)]
     if schedule == "interleaved":
         sched = pp.ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=_loss)
     else:
@@ -125,10 +128,10 @@ def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2, 
             record["inputs_intact"].append(torch.equal(inputs, before))
         else:
             sched.step(target=labels, losses=losses)
-        record["losses"] += [l.detach() for l in losses]
+        record["losses"] += [loss.detach() for loss in losses]
         record.setdefault("outs_per_step", []).append(swap_pass.swap_stats().swap_outs)
-        pending = sum(len(l.swap_manager.batch_stack) for m in mods for l in m.layers
-                      if hasattr(l, "swap_manager"))
+        pending = sum(len(layer.swap_manager.batch_stack) for m in mods for layer in m.layers
+                      if hasattr(layer, "swap_manager"))
         record["clean"].append(pending == 0 and swap_pass.swap_stats().host_bytes_in_use == 0)
     record["grads"] = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
                        for n, p in m.named_parameters()}
@@ -139,7 +142,7 @@ def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2, 
 def _compare(ref: dict, got: dict) -> dict:
     return {
         "losses_equal": len(ref["losses"]) == len(got["losses"]) and all(
-            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
+            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
         "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(
             torch.equal(ref["grads"][k], got["grads"][k]) for k in ref["grads"]),
         "swap_outs": got["swap_outs"], "ref_swap_outs": ref["swap_outs"],
@@ -155,7 +158,8 @@ def run(rank: int, world: int, port: int, outdir: str) -> None:
     from swap_pass.models import LlamaDecoderLayer
     from tests.eager.helpers import SwapLlamaLayer
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     results = {}
     try:
         for name in RUNS:

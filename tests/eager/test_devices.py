@@ -32,7 +32,8 @@ def test_enable_on_device_bitwise_equal(device, use_streams):
     torch.manual_seed(0)
     ref = LlamaStyleModel(CFG, recompute=True).to(device)
     model = copy.deepcopy(ref)
-    handle = swap_pass.enable_swap_layer_input(model, config=swap_pass.SwapConfig(use_streams=use_streams))
+    handle = swap_pass.enable_swap_layer_input(
+        model, config=swap_pass.SwapConfig(use_streams=use_streams))
     _widen_windows(model, device)
     batch = make_batch(CFG, 2, 16, device=device)
     seen: list[torch.Tensor] = []
@@ -43,7 +44,8 @@ def test_enable_on_device_bitwise_equal(device, use_streams):
     loss = model(*batch)
     if device.type != "cpu":
         torch.accelerator.synchronize()
-    assert [x.untyped_storage().nbytes() == 0 for x in seen] == [True] * (CFG.num_layers - 1) + [False]
+    assert ([x.untyped_storage().nbytes() == 0 for x in seen]
+            == [True] * (CFG.num_layers - 1) + [False])
     loss.backward()
     got = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()})
     assert_exact(expected, got)

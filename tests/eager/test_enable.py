@@ -1,4 +1,5 @@
-"""``enable_swap_layer_input``: HF Llama / Qwen2 / GPT-2 and nn.TransformerEncoder, no source edit."""
+"""``enable_swap_layer_input``: HF Llama / Qwen2 / GPT-2 and nn.TransformerEncoder, no source
+edit."""
 
 from __future__ import annotations
 
@@ -39,15 +40,17 @@ def _hf_step(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 
 def _freed_after_forward(model, layers, run) -> list[bool]:
     """Run ``run()`` (forward only) and report which layer inputs lost their device storage."""
     seen: list[torch.Tensor] = []
-    hooks = [l.register_forward_pre_hook(
-        lambda m, a, kw: None if in_backward() else seen.append(kw.get("hidden_states", a[0] if a else None)),
-        with_kwargs=True) for l in layers]
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, a, kw: None if in_backward() else seen.append(
+            kw.get("hidden_states", a[0] if a else None)),
+        with_kwargs=True) for layer in layers]
     out = run()
     for h in hooks:
         h.remove()
@@ -70,10 +73,12 @@ def test_hf_models_bitwise_equal(kind, ckpt):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     expected = _hf_step(ref, ids)
     model.zero_grad(set_to_none=True)
-    loss, freed = _freed_after_forward(model, handle.layers, lambda: model(input_ids=ids, labels=ids).loss)
+    loss, freed = _freed_after_forward(model, handle.layers,
+                                       lambda: model(input_ids=ids, labels=ids).loss)
     assert freed == [True] * (L - 1) + [False]
     loss.backward()
-    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None})
     assert_exact(expected, got)
     assert swap_pass.swap_stats().swap_ins == L - 1
     assert_clean()
@@ -143,7 +148,8 @@ def test_module_dict_blocks_bitwise_equal(explicit):
     loss, freed = _freed_after_forward(model, handle.layers, lambda: model(x))
     assert freed[1:] == [True, True, False]  # inputs the blocks made are freed; not the last
     loss.backward()
-    assert_exact(expected, (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert_exact(expected,
+                 (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert torch.equal(x, kept)
     assert_clean()
 
@@ -152,11 +158,11 @@ def test_remove_restores_the_model_exactly():
     from swap_pass.models import LlamaStyleModel, make_batch
     torch.manual_seed(0)
     model = LlamaStyleModel(CFG, recompute=True)
-    before = {id(l): dict(l.__dict__) for l in model.layers}
+    before = {id(layer): dict(layer.__dict__) for layer in model.layers}
     model_dict = dict(model.__dict__)
     expected = train_step(model, make_batch(CFG, 2, 8))
     handle = swap_pass.enable_swap_layer_input(model)
-    assert all("forward" in l.__dict__ for l in model.layers)
+    assert all("forward" in layer.__dict__ for layer in model.layers)
     assert_exact(expected, train_step(model, make_batch(CFG, 2, 8)))
     handle.remove()
     for layer in model.layers:

@@ -71,7 +71,7 @@ def test_a_failed_enable_leaves_nothing_behind(where):
             swap_pass.enable_swap_layer_input(model, layers=model.layers)
         assert _tags() == set()
         assert "_swap_pass_handle" not in model.__dict__
-        for layer, d in zip(model.layers, before_dicts):
+        for layer, d in zip(model.layers, before_dicts, strict=True):
             assert "swap_manager" not in layer.__dict__
             assert layer.__dict__.get("forward") is d.get("forward")
     after = _run(model, x, cos, sin)

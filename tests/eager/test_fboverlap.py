@@ -30,7 +30,7 @@ def test_fboverlap_schedule_bitwise_equal(checkpoint):
     model.load_state_dict(ref.state_dict())
     ref_losses = run_schedule(ref, _batches(), swap=False, checkpoint=checkpoint)
     losses = run_schedule(model, _batches(), swap=True, checkpoint=checkpoint)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
     ref_grads, grads = _grads(ref), _grads(model)
     assert ref_grads.keys() == grads.keys() and len(grads) > 10
     assert all(torch.equal(ref_grads[k], grads[k]) for k in grads)
@@ -68,7 +68,8 @@ def test_fboverlap_backward_waits_before_recompute(monkeypatch):
 
 def test_1f1b_wrapper_needs_a_backward_graph_with_a_manager():
     model = FBModel(CFG6, "fb.err")
-    _, _, fused = __import__("tests.eager.fboverlap_sim", fromlist=["make_functions"]).make_functions(True)
+    _, _, fused = __import__("tests.eager.fboverlap_sim",
+                             fromlist=["make_functions"]).make_functions(True)
     h = torch.randn(2, 8, CFG6.hidden_size)
     with pytest.raises(ValueError, match="no backward LayerGraph with a swap manager"):
         fused(model.layers[0], h, None, None, None, checkpoint=True)

@@ -108,7 +108,7 @@ def test_grad_enabling_layer_under_no_grad_checkpoint_is_exact(layout):
     assert freed == FREED[layout]
     assert_exact(expected, got)
     assert_clean()
-    assert all(torch.equal(a, b) for a, b in zip(kept, data))
+    assert all(torch.equal(a, b) for a, b in zip(kept, data, strict=True))
     assert_exact(expected, _step_watching(model, handle.layers, data)[0])  # a second step
 
 

@@ -74,7 +74,8 @@ class Stack(nn.Module):
         torch.manual_seed(0)
         self.proj = nn.Linear(CFG.hidden_size, CFG.hidden_size)
         self.layers = nn.ModuleList(layer_cls(kind if i == keeper else None) for i in range(4))
-        angles = torch.arange(8).float()[:, None] / (10 ** torch.arange(CFG.hidden_size // 4).float())
+        angles = (torch.arange(8).float()[:, None]
+                  / (10 ** torch.arange(CFG.hidden_size // 4).float()))
         self.register_buffer("cos", angles.cos())
         self.register_buffer("sin", angles.sin())
 
@@ -174,7 +175,8 @@ class SavingViewLayer(nn.Module):
         flat = h.view(-1, h.shape[-1])
         if self.keep:
             self.kept.append(flat)
-        return torch.tanh(F.linear(h, self.lin.weight, self.lin.bias)) + (flat @ self.lin.weight).view_as(h)
+        return (torch.tanh(F.linear(h, self.lin.weight, self.lin.bias))
+                + (flat @ self.lin.weight).view_as(h))
 
 
 class SavingStack(nn.Module):
@@ -242,6 +244,7 @@ _CHILD = textwrap.dedent("""
 
 def test_reading_kept_aliases_before_backward_does_not_crash_a_process():
     """The three reads in a child process: a freed storage under them would kill it (SIGSEGV)."""
-    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
     assert run.stdout.splitlines()[-1] == "done"

@@ -88,7 +88,7 @@ def test_deepcopy_of_an_enabled_model_swaps_its_own_layers():
     twin = copy.deepcopy(model)
     ref_twin = copy.deepcopy(ref)
     with torch.no_grad():  # make the copies differ from the originals
-        for p, q in zip(twin.parameters(), ref_twin.parameters()):
+        for p, q in zip(twin.parameters(), ref_twin.parameters(), strict=True):
             p.mul_(0.5), q.mul_(0.5)
     model.zero_grad(set_to_none=True)
     before = swap_pass.swap_stats().swap_outs
@@ -157,4 +157,5 @@ def test_one_block_listed_several_times_is_refused_and_leaves_nothing():
                                          r"layers\[0\]"):
         swap_pass.enable_swap_layer_input(model)
     assert not SwapLayerInputManager.manager_map
-    assert "forward" not in model.layers[0].__dict__ and not hasattr(model.layers[0], "swap_manager")
+    assert ("forward" not in model.layers[0].__dict__
+            and not hasattr(model.layers[0], "swap_manager"))

@@ -35,7 +35,8 @@ class Stack(nn.Module):
         self.proj = nn.Linear(CFG.hidden_size, 2 * CFG.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(CFG) for _ in range(4))
         self.register_buffer("start", torch.randn(4, 8, CFG.hidden_size))
-        angles = torch.arange(8).float()[:, None] / (10 ** torch.arange(CFG.hidden_size // 4).float())
+        angles = (torch.arange(8).float()[:, None]
+                  / (10 ** torch.arange(CFG.hidden_size // 4).float()))
         self.register_buffer("cos", angles.cos())
         self.register_buffer("sin", angles.sin())
 
@@ -62,7 +63,8 @@ def _step(model: nn.Module, x: torch.Tensor, during=None):
     if during is not None:
         during()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 
 def _pair(prep: str = "input"):
@@ -104,7 +106,8 @@ def test_slices_of_user_data_requiring_grad_stay_intact():
     before = data.detach().clone()
     left, right = data[..., : CFG.hidden_size], data[..., CFG.hidden_size:]
     assert_exact(_step(ref, left), _step(model, left, lambda: torch.equal(right, before[..., 32:])))
-    assert torch.equal(right.detach(), before[..., CFG.hidden_size:]) and torch.equal(data.detach(), before)
+    assert (torch.equal(right.detach(), before[..., CFG.hidden_size:])
+            and torch.equal(data.detach(), before))
     assert swap_pass.swap_stats().peak_device_bytes_released > 0
     handle.remove()
 

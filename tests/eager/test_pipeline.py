@@ -67,6 +67,7 @@ def test_pipeline_schedule_bitwise_equal_to_no_swap(pp_results, run):
         first, second = res["outs_per_step"]
         per_step = pp_worker.expected_swaps_per_step(run, rank)
         assert per_step > 0
-        assert res["ref_swap_outs"] == 0 and first >= per_step and second - first == per_step, (rank, res)
+        assert (res["ref_swap_outs"] == 0 and first >= per_step
+                and second - first == per_step), (rank, res)
         assert res["clean"] and res["inputs_intact"], (rank, res)
     assert pp_results[1][run]["n_losses"] == 2 * pp_worker.MICROBATCHES  # last stage saw every loss

@@ -34,7 +34,8 @@ class SegmentCheckpointModel(LlamaStyleModel):
             chunk = list(self.layers[i:i + self.segment])
             h = checkpoint(_run_chunk, chunk, h, cos, sin, use_reentrant=self.reentrant)
         logits = self.lm_head(self.norm(h)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 labels.reshape(-1))
 
 
 def _run_chunk(chunk, h, cos, sin):
@@ -64,7 +65,8 @@ class ReadsLayerInputModel(LlamaStyleModel):
                 extra = (self.alpha * x).pow(2).mean() if self.reader == "alpha" else \
                     self.aux_head(x).float().pow(2).mean()
         logits = self.lm_head(self.norm(h)).float()
-        ce = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        ce = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                               labels.reshape(-1))
         return ce + extra
 
 
@@ -86,7 +88,8 @@ class SharedInputModel(LlamaStyleModel):
             h = self.layers[1](h, cos, sin) + self.layers[2](h, cos, sin)
         h = self.layers[3](h, cos, sin)
         logits = self.lm_head(self.norm(h)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 labels.reshape(-1))
 
 
 class _Layer(LlamaDecoderLayer):
@@ -100,7 +103,8 @@ def _exact_under_model(factory, *, prefetch: bool, seed: int, steps: int = 2,
     ref_model = factory()
     model = twin(ref_model, factory)
     data = batch()
-    handle = swap_pass.enable_swap_layer_input(model, config=swap_pass.SwapConfig(prefetch=prefetch))
+    handle = swap_pass.enable_swap_layer_input(
+        model, config=swap_pass.SwapConfig(prefetch=prefetch))
     with stream_model(seed=seed) as sm:
         for _ in range(steps):  # a second step reuses the pooled host buffers
             ref = train_step(ref_model, data)
@@ -141,7 +145,8 @@ def test_op_outside_the_layer_reading_its_input_is_exact(reader, prefetch):
 
 @pytest.mark.parametrize("sharing", ["returns_input", "fed_to_two_layers"])
 def test_one_storage_in_two_layers_groups_is_exact(sharing):
-    """Both layers' groups would hold one storage; the first wait_d2h would free it under the other."""
+    """Both layers' groups would hold one storage; the first wait_d2h would free it under the
+    other."""
 
     def factory():
         model = SharedInputModel(CFG, sharing)

@@ -46,7 +46,8 @@ def test_missing_hidden_states_is_a_clear_error():
 
 def test_hidden_states_not_a_tensor_is_a_clear_error():
     layer, (cos, sin) = SwapLlamaLayer(CFG), _rope()
-    with pytest.raises(TypeError, match=r"hidden_states \(args\[0\]\) is a list, not a torch.Tensor"):
+    with pytest.raises(TypeError,
+                       match=r"hidden_states \(args\[0\]\) is a list, not a torch.Tensor"):
         layer([1.0, 2.0], cos, sin)
 
 
@@ -90,7 +91,8 @@ class _TupleModel(CheckpointedModel):
         if aux_only:
             return aux
         logits = self.lm_head(self.norm(h)).float()
-        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1)) + aux
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                           labels.reshape(-1)) + aux
 
 
 class _PlainTuple(LlamaDecoderLayer):  # the same outputs, no swap
@@ -116,7 +118,8 @@ def test_tuple_and_dict_outputs_swap_the_tensor_and_pass_the_rest(as_dict, aux_o
         m.zero_grad(set_to_none=True)
         loss = m(*b, aux_only=aux_only)
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                               if p.grad is not None}
 
     assert_exact(step(ref), step(model))
     assert swap_pass.swap_stats().swap_ins == CFG.num_layers - 1
@@ -130,7 +133,8 @@ def test_unknown_output_type_is_refused_clearly():
             return object()
 
     cos, sin = _rope()
-    with pytest.raises(TypeError, match=r"returned a object\. A swapped layer must return a tensor"):
+    with pytest.raises(TypeError,
+                       match=r"returned a object\. A swapped layer must return a tensor"):
         Weird(CFG)(torch.randn(2, 8, CFG.hidden_size, requires_grad=True), cos, sin)
 
 
@@ -255,7 +259,7 @@ def test_hundred_steps_each_end_with_zero_host_bytes():
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     for step in range(100):
         losses = []
-        for m, opt in zip((ref, model), opts):
+        for m, opt in zip((ref, model), opts, strict=True):
             opt.zero_grad(set_to_none=True)
             loss = m(*batch(seed=step % 7, b=1, s=4))
             loss.backward()
@@ -278,7 +282,8 @@ class _MTPModel(CheckpointedModel):
     def __init__(self, cfg, mode, layer_cls):
         super().__init__(cfg, mode, layer_cls)
         self.mtp_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.mtp_layer = layer_cls(cfg, is_mtp=True) if layer_cls is SwapLlamaLayer else layer_cls(cfg)
+        self.mtp_layer = (layer_cls(cfg, is_mtp=True) if layer_cls is SwapLlamaLayer
+                          else layer_cls(cfg))
 
     def forward(self, input_ids, labels=None):
         cos, sin = self.cos_table[:input_ids.shape[1]], self.sin_table[:input_ids.shape[1]]
@@ -319,7 +324,8 @@ def test_in_place_write_to_a_swapped_input_is_caught_and_named():
     h1 = model.layers[0](h0, cos, sin)
     with torch.no_grad():
         h0.mul_(2)  # layer 0's input, written while its copy to the host is in flight
-    with pytest.raises(swap_pass.SwapDataError, match=r"tests\.eager\.layers\[0\].*modified in place"):
+    with pytest.raises(swap_pass.SwapDataError,
+                       match=r"tests\.eager\.layers\[0\].*modified in place"):
         model.layers[1](h1, cos, sin)
     assert_clean()  # every group was put back before the error propagated
 

@@ -92,7 +92,7 @@ def test_wrapper_inputs_swap_through_local_tensor(mesh, kind):
         warnings.simplefilter("error")  # nothing skipped, no step warning
         got = _step(model, x.detach().requires_grad_(), wrap)
     assert torch.equal(expected[0], got[0])
-    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))
     # The first layer's input is swapped too: it is an activation (made from x).
     assert got[2] == [True] * (LAYERS - 1) + [False]
     stats = swap_pass.swap_stats()
@@ -108,7 +108,8 @@ def test_dtensor_user_data_stays(mesh):
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
     model = Stack()
     distribute_module(model, mesh)
-    handle = swap_pass.enable_swap_layer_input(model, layers=list(model.layers)[:1] + [nn.Identity()])
+    handle = swap_pass.enable_swap_layer_input(model,
+                                               layers=list(model.layers)[:1] + [nn.Identity()])
     data = torch.randn(4, DIM)
     kept = data.clone()
     dt = DTensor.from_local(data, mesh, [Replicate()])  # no grad: the user's batch

@@ -34,7 +34,8 @@ def _capture_inputs(model) -> list[torch.Tensor]:
     """Each layer's first-forward input (recomputations inside backward are ignored)."""
     seen: list[torch.Tensor] = []
     for layer in model.layers:
-        layer.register_forward_pre_hook(lambda m, args: None if in_backward() else seen.append(args[0]))
+        layer.register_forward_pre_hook(
+            lambda m, args: None if in_backward() else seen.append(args[0]))
     return seen
 
 
@@ -113,7 +114,8 @@ def test_prefetch_starts_previous_layer_before_its_backward():
     _, model = _pair("non_reentrant")
     states: list[list[str]] = []
     def watch(grad):
-        states.append([str(grp.stat) for l in model.layers for grp in l.swap_manager.batch_stack])
+        states.append([str(grp.stat) for layer in model.layers
+                       for grp in layer.swap_manager.batch_stack])
 
     # A gradient hook on each layer's output, registered after the layer's own guard, runs
     # right after it. (Not a full backward pre-hook: it would wrap each layer input in a view
@@ -144,5 +146,5 @@ def test_managers_in_construction_order_and_mtp_gets_none():
     mtp = SwapLlamaLayer(CFG, is_mtp=True)
     managers = swap_pass.SwapLayerInputManager.managers("tests.eager")
     assert [m.layer_idx for m in managers] == [0, 1, 2]
-    assert [l.swap_manager for l in layers] == managers
+    assert [layer.swap_manager for layer in layers] == managers
     assert not hasattr(mtp, "swap_manager") and len(managers) == 3

@@ -93,7 +93,7 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def assert_grads_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert pa.grad is not None and pb.grad is not None, name
         assert torch.equal(pa.grad, pb.grad), f"gradient of {name} differs"
 
@@ -107,6 +107,7 @@ def hf_llama_tiny(num_layers: int = 2, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = HFConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
+    cfg = HFConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                   num_hidden_layers=num_layers,
                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     return LlamaForCausalLM(cfg)

@@ -20,7 +20,8 @@ CFG = LlamaConfig(vocab_size=512, hidden_size=1024, num_layers=L, num_heads=8,
 
 
 def _forward_peak(backend) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
-    """Peak bytes allocated during one compiled forward (above what was there before), loss, grads."""
+    """Peak bytes allocated during one compiled forward (above what was there before), loss,
+    grads."""
     torch.manual_seed(0)
     model = LlamaStyleModel(CFG, recompute=True).to(ACCELERATOR)
     ids, labels = make_batch(CFG, BATCH, SEQ, device=ACCELERATOR)
@@ -48,7 +49,7 @@ def test_compiled_forward_peak_drops_by_l_minus_2_layer_inputs():
     assert peak_ref - peak >= (L - 2) * layer_input
     assert swap_pass.swap_stats().swap_outs >= L - 1
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, grads_ref):
+    for a, b in zip(grads, grads_ref, strict=True):
         # not bitwise: an embedding's backward on the GPU adds rows with atomic adds, whose order
         # changes from run to run even without swap
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -51,10 +51,10 @@ def aot_eager_run(request):
 
 def test_aot_eager_bitwise_equal_to_aot_eager_without_swap(aot_eager_run):
     r = aot_eager_run
-    for loss, ref in zip(r["losses"], r["ref_losses"]):
+    for loss, ref in zip(r["losses"], r["ref_losses"], strict=True):
         assert torch.equal(loss, ref)
-    for step_grads, ref_grads in zip(r["grads"], r["ref_grads"]):
-        assert all(torch.equal(a, b) for a, b in zip(step_grads, ref_grads))
+    for step_grads, ref_grads in zip(r["grads"], r["ref_grads"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(step_grads, ref_grads, strict=True))
     assert r["counter"].frame_count == 1  # fullgraph=True and no recompile on step 2
 
 
@@ -104,7 +104,7 @@ def test_backward_graph_prefetches_one_layer_ahead(aot_eager_run):
 
 def _assert_like_aot_eager(grads, recompute=True):
     _, _, ref_grads = _train(tiny_model(L, recompute=recompute), "aot_eager")
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0]))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0], strict=True))
 
 
 def test_without_prefetch_backward_holds_blocking_swap_ins():
@@ -129,7 +129,8 @@ def test_callable_inner_is_used_for_forward_and_backward():
 
 @pytest.mark.slow
 def test_changing_sequence_length():
-    """Static: at most one recompile per new shape (automatic dynamic: one in all); dynamic=True: none."""
+    """Static: at most one recompile per new shape (automatic dynamic: one in all); dynamic=True:
+    none."""
     seqs = (8, 12, 16)
     for dynamic in (None, True):
         counts, ref_counts = [], []
@@ -139,7 +140,8 @@ def test_changing_sequence_length():
                                              (ref, "aot_eager", ref_counts)):
             counter = CompileCounterWithBackend(backend)
             torch._dynamo.reset()
-            compiled = torch.compile(compiled_model, backend=counter, fullgraph=True, dynamic=dynamic)
+            compiled = torch.compile(compiled_model, backend=counter, fullgraph=True,
+                                     dynamic=dynamic)
             for seq in seqs:
                 compiled(*batch(compiled_model, seq)).backward()
                 out.append(counter.frame_count)
@@ -161,7 +163,7 @@ def test_inductor_checkpointed_bitwise_equal_to_inductor_without_swap(determinis
     assert _targets(fw).count(OPS.swap_out.default) == L - 1
     assert _targets(bw).count(OPS.prefetch.default) == L - 1
     assert torch.equal(losses[0], ref_losses[0])
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0]))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0], strict=True))
     assert swap_pass.swap_stats().swap_outs == L - 1
 
 
@@ -205,7 +207,8 @@ def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, de
     if checkpoint:
         assert [s.layer for s in swapped] == [f"model.layers.{i}" for i in range(L - 1)]
     assert swapped and swap_pass.swap_stats().swap_outs == 2 * len(swapped)
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)), (
+        losses, ref_losses)
     if checkpoint and _PREFETCH_CHANGES_INDUCTOR_FUSION:
         # docs/graph.md, "Inductor on torch 2.14 and later": the written tolerance, nothing looser
         far = {name: _rel_diff(grads[name], ref_grads[name]) for name in grads}
@@ -218,7 +221,8 @@ def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, de
 # Torch releases whose Inductor fuses a checkpointed recompute differently once prefetches sit in
 # the backward (docs/graph.md, "Inductor on torch 2.14 and later"), and the written bound on the
 # difference: the largest |a - b| of a gradient, over the largest |b| of that gradient.
-_PREFETCH_CHANGES_INDUCTOR_FUSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+_PREFETCH_CHANGES_INDUCTOR_FUSION = (
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14))
 PREFETCH_FUSION_RTOL = 1e-6
 
 

@@ -43,7 +43,7 @@ def test_budget_mode_swaps_any_saved_tensor_bitwise():
     swap_pass.reset()
     _compile_and_step(model, backend)
     _compile_and_step(ref, "aot_eager")
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     part = backend.partitions[-1]
     assert part.mode == "budget" and part.predicted_peak <= part.budget_bytes
@@ -79,7 +79,8 @@ def test_copies_that_cannot_hide_are_not_chosen():
 
 @pytest.mark.parametrize("bad", [-1, 0.0, 1.5, "half", True])
 def test_invalid_budget_is_an_error(bad):
-    with pytest.raises(ValueError, match=r"swap_pass\.make_swap_backend: memory_budget=.* is invalid"):
+    with pytest.raises(ValueError,
+                       match=r"swap_pass\.make_swap_backend: memory_budget=.* is invalid"):
         make_swap_backend("aot_eager", memory_budget=bad)
 
 
@@ -111,7 +112,8 @@ def test_every_wait_depends_on_the_matmul_computed_before_it():
 
 _KERNEL = re.compile(r"^(?:\w+ = )?(?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.)")
 _WAIT = re.compile(r"^(\w+) = torch\.ops\.swap_pass\.wait\.default\((\w+), \w+, (.*)\)$")
-_PREFETCH = re.compile(r"^(\w+) = torch\.ops\.swap_pass\.prefetch\.default\(.*?(?:True|False)(.*)\)$")
+_PREFETCH = re.compile(
+    r"^(\w+) = torch\.ops\.swap_pass\.prefetch\.default\(.*?(?:True|False)(.*)\)$")
 
 
 def _body(code: str) -> list[str]:
@@ -124,7 +126,7 @@ def _assert_prefetches_behind_their_compute(lines: list[str]) -> None:
     is hoisted to the top of the backward, where it would hold its tensor for the whole pass)."""
     starts = [(i, _PREFETCH.match(ln)) for i, ln in enumerate(lines) if _PREFETCH.match(ln)]
     assert len(starts) == 3
-    for (i, _), (j, m) in zip(starts, starts[1:]):
+    for (i, _), (j, m) in zip(starts, starts[1:], strict=False):  # consecutive pairs
         after = re.search(r"\bbuf\d+\b", m.group(2))
         assert after is not None, lines[j]
         assert any(re.search(rf"\b{after.group(0)}\b", ln) for ln in lines[i + 1:j]
@@ -154,7 +156,8 @@ def test_inductor_output_code_keeps_every_wait_behind_its_compute():
     for i, m in waits:
         dev, after = alias.get(m.group(2), m.group(2)), re.search(r"\bbuf\d+\b", m.group(3))
         assert after is not None, lines[i]  # the wait carries its dependency
-        prefetch = next(j for j in range(i) if lines[j].startswith(f"{dev} = torch.ops.swap_pass.prefetch"))
+        prefetch = next(j for j in range(i)
+                        if lines[j].startswith(f"{dev} = torch.ops.swap_pass.prefetch"))
         kernels = [j for j in range(prefetch + 1, i) if _KERNEL.match(lines[j])]
         assert kernels, lines[prefetch:i + 1]
         assert any(re.search(rf"\b{after.group(0)}\b", lines[j]) for j in kernels), lines[i]
@@ -166,7 +169,8 @@ def test_gpt2_under_inductor_warns_in_layer_input_mode_and_swaps_in_budget_mode(
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=3, n_head=2, n_positions=16,
-                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     layer_mode, budget_mode = make_swap_backend(), make_swap_backend(memory_budget=0.75,
@@ -175,7 +179,8 @@ def test_gpt2_under_inductor_warns_in_layer_input_mode_and_swaps_in_budget_mode(
         warnings.simplefilter("always")
         for backend in (layer_mode, budget_mode):
             torch._dynamo.reset()
-            torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids).logits.sum().backward()
+            torch.compile(model, backend=backend, fullgraph=True)(
+                input_ids=ids).logits.sum().backward()
     assert layer_mode.partitions[-1].swapped == []
     assert any("holds 3 layers but saves none of their inputs" in str(w.message) for w in caught)
     assert len(budget_mode.partitions[-1].swapped) > 0
@@ -203,7 +208,7 @@ def test_whole_step_peak_of_hf_llama_under_inductor_falls_by_l_minus_2_layer_inp
     backend = make_swap_backend()
     peak, grads = hf_llama_step_peak(backend, layers=layers, checkpoint=True)
     ref_peak, ref_grads = hf_llama_step_peak("inductor", layers=layers, checkpoint=True)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
     x_bytes = backend.partitions[-1].swapped[0].nbytes
     assert len(backend.partitions[-1].swapped) == layers - 1
     assert ref_peak - peak >= (layers - 2) * x_bytes, (peak, ref_peak, x_bytes)
@@ -224,7 +229,7 @@ def test_whole_step_peak_falls_with_swap(mode):
     swap_pass.reset()
     peak = _step_peak(model, backend, seq)
     ref_peak = _step_peak(ref, "aot_eager", seq)
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     assert backend.partitions[-1].swapped
     if mode == "budget":
@@ -245,10 +250,10 @@ def cpu_flash_attention_counted(monkeypatch):
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
-    for name, like in (("_scaled_dot_product_flash_attention_for_cpu",
-                        "_scaled_dot_product_flash_attention"),
-                       ("_scaled_dot_product_flash_attention_for_cpu_backward",
-                        "_scaled_dot_product_flash_attention_backward")):
+    for name, _like in (("_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_flash_attention"),
+                        ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                         "_scaled_dot_product_flash_attention_backward")):
         if hasattr(aten, name) and getattr(aten, name) not in flop_registry:
             monkeypatch.setitem(flop_registry, getattr(aten, name), lambda *a, **k: 1 << 20)
     return flop_registry
@@ -266,7 +271,7 @@ def test_prefetch_and_wait_depend_on_one_tensor_when_attention_returns_a_tuple(
     swap_pass.reset()
     _compile_and_step(model, backend)
     _compile_and_step(ref, "aot_eager")
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     part = backend.partitions[-1]
     assert part.swapped
@@ -307,8 +312,8 @@ def test_budget_mode_plans_with_size_hints_under_dynamic_shapes(dynamic):
         runs.append([compiled(*batch(m, seq)) for seq in (8, 12)])
         for loss in runs[-1]:
             loss.backward()
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    for a, b in zip(model.parameters(), ref.parameters()):
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     part = backend.partitions[-1]
     symbolic = [n for n in part.forward.graph.find_nodes(op="placeholder")

@@ -38,7 +38,8 @@ def test_released_bytes_counted_between_forward_and_backward() -> None:
     expected = torch.compile(ref, backend="aot_eager", fullgraph=True)(ids, labels)
     expected.backward()
     assert torch.equal(loss, expected)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(a.grad, b.grad)
+               for a, b in zip(model.parameters(), ref.parameters(), strict=True))
 
 
 def test_forward_without_backward_gives_the_bytes_back() -> None:

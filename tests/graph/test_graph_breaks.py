@@ -60,7 +60,7 @@ def _step(model, backend):
 
 def _assert_same_as_without_swap(model, ref, loss, ref_loss):
     assert torch.equal(loss, ref_loss)
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
 
 
@@ -93,7 +93,8 @@ def test_one_layer_per_graph_warns_once_with_the_fix():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = _step(model, backend)
-    ours = [w for w in caught if "swap_pass.swap_backend: a compiled graph swaps nothing" in str(w.message)]
+    ours = [w for w in caught
+            if "swap_pass.swap_backend: a compiled graph swaps nothing" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert "compile_layers" in str(ours[0].message)
     assert all(not p.swapped for p in backend.partitions) and len(backend.partitions) > 1
@@ -135,5 +136,5 @@ def test_compiled_autograd_is_refused_before_anything_runs():
         with pytest.raises(Exception, match=r"swap_pass\.swap_backend: compiled autograd is on"):
             torch.compile(model, backend=make_swap_backend("aot_eager"))(x).backward()
     assert all(p.grad is None for p in model.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert swap_pass.swap_stats().host_bytes_in_use == 0

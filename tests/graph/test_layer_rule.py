@@ -55,14 +55,16 @@ class Model(nn.Module):
         if holder == "list":
             self.layers = nn.ModuleList(blocks)
         elif holder == "dict":
-            self.layers = nn.ModuleDict({name: b for name, b in zip(("first", "mid", "last"), blocks)})
+            self.layers = nn.ModuleDict(
+                {name: b for name, b in zip(("first", "mid", "last"), blocks, strict=True)})
         else:  # named attributes
             self.block_a, self.block_b, self.block_c = blocks
         self.head = nn.Linear(D, D)
 
     def blocks(self):
         if hasattr(self, "layers"):
-            return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+            return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict)
+                        else self.layers)
         return [self.block_a, self.block_b, self.block_c]
 
     def forward(self, x):
@@ -111,7 +113,7 @@ def test_swap_backend_swaps_the_outer_blocks_inputs_bitwise(ffn, holder):
         released.append(swap_pass.swap_stats().device_bytes_released)  # between fw and bw
         losses[-1].backward()
     assert torch.equal(*losses)
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
     swapped = [s.layer for s in backend.partitions[-1].swapped]
     assert swapped == _names(model, model.blocks())[:2]

@@ -51,7 +51,8 @@ def test_opcheck_swap_out(kind):
 def test_opcheck_prefetch_and_swap_in(kind, op):
     x = _inputs()[kind]
     host = x.contiguous()
-    torch.library.opcheck(getattr(OPS, op).default, (host, x.device, list(x.shape), list(x.stride())))
+    torch.library.opcheck(getattr(OPS, op).default,
+                          (host, x.device, list(x.shape), list(x.stride())))
     torch.library.opcheck(getattr(OPS, op).default, (host, x.device, [], [], False))
 
 

@@ -22,7 +22,8 @@ def _swap_nodes(gm):
 
 
 def _record_layer_inputs(gm):
-    """Pre-hooks on the call_module layers: each layer's input, and which earlier inputs are freed then."""
+    """Pre-hooks on the call_module layers: each layer's input, and which earlier inputs are freed
+    then."""
     seen, freed_at_entry = [], []
 
     def hook(module, args):
@@ -40,7 +41,8 @@ def test_graph_holds_swap_nodes_for_all_but_the_last_layer(leaf_layers):
     gm = apply_swap_pass(trace(twin(ref), leaf_layers=leaf_layers), ref.inputs())
     assert _swap_nodes(gm) == (L - 1, L - 1)
     assert [b.fqn for b in gm.meta["swap_pass_layers"]] == [f"model.layers.{i}" for i in range(L)]
-    assert "swap_pass_out_model_layers_0" in gm.code and "swap_pass_release_model_layers_2" in gm.code
+    assert ("swap_pass_out_model_layers_0" in gm.code
+            and "swap_pass_release_model_layers_2" in gm.code)
 
 
 def test_inputs_freed_after_next_layer_ran_and_grads_bitwise_equal():
@@ -145,10 +147,12 @@ def test_layer_filter_limits_the_swapped_layers():
 
 
 def test_errors_name_the_api():
-    with pytest.raises(TypeError, match=r"swap_pass\.apply_swap_pass: expected a torch\.fx\.GraphModule"):
+    with pytest.raises(TypeError,
+                       match=r"swap_pass\.apply_swap_pass: expected a torch\.fx\.GraphModule"):
         apply_swap_pass(tiny_model(2))
     gm = trace(TraceableLlama(tiny_model(2)))
-    with pytest.raises(ValueError, match=r"swap_pass\.apply_swap_pass: layer_filter='nope' matched none"):
+    with pytest.raises(ValueError,
+                       match=r"swap_pass\.apply_swap_pass: layer_filter='nope' matched none"):
         apply_swap_pass(gm, layer_filter="nope")
 
 

@@ -18,7 +18,8 @@ def _run(model, backend, swap, **kwargs):
     torch._dynamo.reset()
     handle = compile_layers(model, backend=backend, swap=swap, **kwargs)
     inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for layer in model.layers]
+    hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+             for layer in model.layers]
     loss = model(*batch(model))
     sizes = [x.untyped_storage().nbytes() for x in inputs]
     loss.backward()
@@ -36,7 +37,7 @@ def test_bitwise_equal_to_the_same_regional_compile_without_swap(backend, recomp
     sizes, handle = _run(model, backend, swap=True)
     stats = swap_pass.swap_stats()
     _, ref_handle = _run(ref, backend, swap=False)
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     x_bytes = batch(model)[0].numel() * model.cfg.hidden_size * 4
     assert sizes == [0] * (L - 1) + [x_bytes]  # freed between forward and backward; last kept

@@ -115,7 +115,8 @@ def make_config(num_layers: int = 4, recompute: str = "none", method: str | None
               ffn_hidden_size=FFN, hidden_dropout=0.1, attention_dropout=0.1,
               use_cpu_initialization=True, params_dtype=torch.float32,
               bias_activation_fusion=False, bias_dropout_fusion=False,
-              masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+              masked_softmax_fusion=False, persist_layer_norm=False,
+              gradient_accumulation_fusion=False,
               apply_rope_fusion=False, pipeline_model_parallel_size=pp,
               virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32)
     if recompute == "full":

@@ -32,7 +32,8 @@ def _chunks(vp: int | None) -> list[torch.nn.Module]:
     cfg = mc.make_config(num_layers=LAYERS, recompute="full", method="uniform",
                          recompute_layers=1, pp=2, vp=vp, batch_p2p_comm=False)
     stages = range(vp) if vp else [None]
-    return [mc.make_gpt(cfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+    return [mc.make_gpt(cfg,
+                        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
                         vp_stage=v) for v in stages]
 
@@ -59,13 +60,14 @@ def _run(chunks, swap: bool) -> dict:
         seq_length=mc.SEQ, micro_batch_size=2, forward_only=False)
     stats = swap_pass.swap_stats()
     pending = sum(len(m.batch_stack) for m in handle.managers) if handle else 0
-    result = {"losses": [l["loss"] for l in losses],
+    result = {"losses": [out["loss"] for out in losses],
               "grads": {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks)
                         for n, p in c.named_parameters() if p.grad is not None},
               "swap_outs": stats.swap_outs, "swap_ins": stats.swap_ins,
               "released": stats.peak_device_bytes_released, "pending": pending,
               "host_in_use": stats.host_bytes_in_use,
-              "batches_intact": all(torch.equal(b[k], c[k]) for b, c in zip(batches, kept) for k in b)}
+              "batches_intact": all(torch.equal(b[k], c[k])
+                                    for b, c in zip(batches, kept, strict=True) for k in b)}
     if handle:
         handle.remove()
     return result
@@ -82,7 +84,7 @@ def main(out: str, schedule: str) -> None:
         got = _run(_chunks(vp), swap=True)
     report = {
         "losses_equal": len(ref["losses"]) == len(got["losses"]) and all(
-            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
+            torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
         "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(
             torch.equal(ref["grads"][n], got["grads"][n]) for n in ref["grads"]),
         "n_grads": len(got["grads"]),

@@ -58,7 +58,7 @@ def test_llama3_debug_model_bitwise_equal(ac, explicit):
     assert_exact(expected, got)
     assert swap_pass.swap_stats().swap_ins == LAYERS - 1
     assert_clean()
-    assert all(torch.equal(a, b) for a, b in zip(kept, batch))
+    assert all(torch.equal(a, b) for a, b in zip(kept, batch, strict=True))
     assert_exact(tc.train_step(ref, batch), tc.train_step(model, batch))  # a second step
     handle.remove()
     assert not any("forward" in vars(layer) for layer in model.layers.values())

@@ -19,9 +19,10 @@ tc.import_shim()
 pytest.importorskip("torchtitan.models.llama3",
                     reason="torchtitan is not installed (pip install 'swap-pass[torchtitan]')")
 
-from tests.distributed import dist_worker
-from tests.distributed.spawn import spawn_ranks
-from tests.integrations import torchtitan_dist_worker as worker
+# These imports load torchtitan: only after the shim is installed and the skip check has run.
+from tests.distributed import dist_worker  # noqa: E402
+from tests.distributed.spawn import spawn_ranks  # noqa: E402
+from tests.integrations import torchtitan_dist_worker as worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 DIM = 256  # the debug model's

@@ -56,7 +56,8 @@ def make_llama3_debug(seed: int = 0, n_layers: int | None = None) -> torch.nn.Mo
 
 
 def apply_ac(model: torch.nn.Module, mode: str) -> None:
-    """torchtitan's activation checkpointing on every block: ``"none"``, ``"full"``, ``"selective"``."""
+    """torchtitan's activation checkpointing on every block: ``"none"``, ``"full"``,
+    ``"selective"``."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     if mode == "full":

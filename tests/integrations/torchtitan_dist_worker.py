@@ -28,8 +28,8 @@ def build(setup: str, world: int = 2) -> torch.nn.Module:
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     tp = 2 if setup.startswith("tp") else 1
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world // tp, tensor_parallel_degree=tp,
-                                    spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // tp,
+                                    tensor_parallel_degree=tp, spmd_backend="partial_dtensor")
     config = llama3_configs["debugmodel"](attn_backend="flex")
     config.layers = config.layers[:LAYERS]
     for layer in config.layers:  # FlexAttention has no CPU backward: torchtitan's SDPA module

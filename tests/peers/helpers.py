@@ -99,10 +99,10 @@ def exact_steps(ref: nn.Module, model: nn.Module, loss_of: Callable, batches: li
     for i, batch in enumerate(batches):
         before = [t.clone() for t in batch]
         with _no_saved_hooks() if smart is not None else contextlib.nullcontext():
-            ref_out = one_step(ref, lambda m: loss_of(m, batch), seed=i)
-        out = one_step(model, lambda m: loss_of(m, batch), seed=i, during=during)
+            ref_out = one_step(ref, lambda m, batch=batch: loss_of(m, batch), seed=i)
+        out = one_step(model, lambda m, batch=batch: loss_of(m, batch), seed=i, during=during)
         assert_same_step(ref_out, out)
-        assert all(torch.equal(t, b) for t, b in zip(batch, before))
+        assert all(torch.equal(t, b) for t, b in zip(batch, before, strict=True))
         if smart is not None:
             smart.step()
 

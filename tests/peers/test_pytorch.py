@@ -118,7 +118,8 @@ def test_graph_pass_inserts_swap_nodes_and_is_exact():
 
 
 def test_wait_with_nothing_pending_returns_the_tensor():
-    """PyTorch's ao.wait_tensor raises with no pending transfer; ours returns (see its docstring)."""
+    """PyTorch's ao.wait_tensor raises with no pending transfer; ours returns (see its
+    docstring)."""
     t = torch.randn(4, 4)
     out = torch.ops.swap_pass.wait(t)
     assert torch.equal(out, t) and out.data_ptr() == t.data_ptr()
@@ -134,7 +135,8 @@ def test_compiled_backend_same_as_the_same_compile_without_swap():
     ref, model = twins(lambda: BlockStack(block=Checkpointed))
     torch._dynamo.reset()
     compiled_ref = torch.compile(ref, backend="aot_eager", fullgraph=True)
-    compiled = torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"), fullgraph=True)
+    compiled = torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"),
+                             fullgraph=True)
     exact_steps(compiled_ref, compiled, _loss, _batches(2))
     assert swap_pass.swap_stats().swapped_out_bytes > 0
     torch._dynamo.reset()

@@ -100,7 +100,7 @@ def test_checkpoint_with_cached_buffers():
     handle = swap_pass.enable_swap_layer_input(model)
     exact_steps(ref, model, _loss, _batches())
     assert moved() == 3 * 2 * 8 * HIDDEN * 4
-    for layer, ref_layer in zip(model.layers, ref.layers):
+    for layer, ref_layer in zip(model.layers, ref.layers, strict=True):
         assert torch.equal(layer.cache, ref_layer.cache)
     handle.remove()
 
@@ -111,5 +111,5 @@ def test_checkpoint_with_cached_buffers_smart():
     with SmartSwap(model, memory_budget=0.5, config=SmartSwapConfig(min_swap_bytes=0)) as smart:
         exact_steps(ref, model, _loss, _batches(4), smart=smart)
     assert swap_pass.swap_stats().swapped_out_bytes > 0
-    for layer, ref_layer in zip(model.layers, ref.layers):
+    for layer, ref_layer in zip(model.layers, ref.layers, strict=True):
         assert torch.equal(layer.cache, ref_layer.cache)

@@ -76,8 +76,8 @@ def _lora_qwen2():
             attn = layer.self_attn
             attn.q_proj, attn.v_proj = LoraLinear(attn.q_proj), LoraLinear(attn.v_proj)
         return model
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
-                             init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                             target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return peft.get_peft_model(model, config)
 
 
@@ -97,7 +97,8 @@ def test_lora_with_dropout():
 def test_min_offload_size_keeps_small_inputs_and_counts_them():
     """TRL test_min_offload_size: inputs under the threshold stay, counted as too_small."""
     ref, model = twins(tiny_qwen2)
-    handle = swap_pass.enable_swap_layer_input(model, config=SwapConfig(min_swap_bytes=LAYER_INPUT + 1))
+    handle = swap_pass.enable_swap_layer_input(
+        model, config=SwapConfig(min_swap_bytes=LAYER_INPUT + 1))
     exact_steps(ref, model, _loss, _batches())
     stats = swap_pass.swap_stats()
     assert moved() == 0 and stats.swapped_out_bytes == 0
@@ -151,7 +152,8 @@ def test_hf_gradient_checkpointing(use_reentrant):
     """TRL with HF gradient checkpointing (gradient_checkpointing_enable)."""
     ref, model = twins(tiny_qwen2)
     for m in (ref, model):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        m.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         m.train()
     handle = swap_pass.enable_swap_layer_input(model)
     exact_steps(ref, model, _loss, _batches())

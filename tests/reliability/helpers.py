@@ -62,4 +62,4 @@ class InputProbe:
 
     def values_intact(self) -> bool:
         """Whether every recorded input holds its data (bitwise) again."""
-        return all(torch.equal(t, v) for t, v in zip(self.inputs, self.values))
+        return all(torch.equal(t, v) for t, v in zip(self.inputs, self.values, strict=True))

@@ -28,7 +28,8 @@ from swap_pass.runtime.device import DeviceStreams
 pytestmark = [
     pytest.mark.accelerator,
     pytest.mark.no_stream_model,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device; this machine has none"),
 ]
 
 HIDDEN, TOKENS = 4096, 4096  # one layer input: 4096 x 4096 float32 = 64 MiB
@@ -70,8 +71,8 @@ class Stack(torch.nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.mode = mode
-        self.layers = torch.nn.ModuleList(Block(mode == "identity" and i == 1, mode == "slow_producer")
-                                          for i in range(4))
+        self.layers = torch.nn.ModuleList(
+            Block(mode == "identity" and i == 1, mode == "slow_producer") for i in range(4))
         self.alpha = torch.nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x):
@@ -103,9 +104,9 @@ def _steps(model, data, stream=None, sync_each_step=True):
 
 
 def _assert_same(ref, got):
-    for (rl, rg), (gl, gg) in zip(ref, got):
+    for (rl, rg), (gl, gg) in zip(ref, got, strict=True):
         assert torch.equal(rl, gl)
-        for a, b in zip(rg, gg):
+        for a, b in zip(rg, gg, strict=True):
             assert torch.equal(a, b)
 
 
@@ -166,10 +167,11 @@ def test_two_devices_interleaved_without_synchronize(slow_side_streams):
                     models[i].zero_grad(set_to_none=True)
                     loss = models[i](data[i][step])
                     loss.backward()
-                    got[i].append((loss.detach().clone(), [p.grad.clone() for p in models[i].parameters()]))
+                    got[i].append((loss.detach().clone(),
+                                   [p.grad.clone() for p in models[i].parameters()]))
     for dev in ("cuda:0", "cuda:1"):
         torch.cuda.synchronize(dev)
-    for ref, mine in zip(refs, got):
+    for ref, mine in zip(refs, got, strict=True):
         _assert_same(ref, mine)
 
 
@@ -197,14 +199,15 @@ def test_reduce_overhead_compiled_layers_are_exact():
 
     ref = run(False)
     got = run(True)
-    for a, b in zip(ref, got):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(ref, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     stats = swap_pass.swap_stats()
     assert stats.swap_outs > 0 or stats.skipped_bytes.get("non_resizable", 0) > 0, stats
 
 
 def test_reset_returns_pinned_memory():
-    """Pinned host bytes of the pool go back to the OS on reset() (torch.accelerator.empty_host_cache)."""
+    """Pinned host bytes of the pool go back to the OS on reset()
+    (torch.accelerator.empty_host_cache)."""
     if not hasattr(torch.accelerator, "empty_host_cache"):
         pytest.skip("this torch has no torch.accelerator.empty_host_cache")
     torch.manual_seed(0)
@@ -260,14 +263,15 @@ def test_retained_graph_compiled_with_slow_side_streams(slow_side_streams):
 
     ref = run("aot_eager")
     got = run(swap_pass.make_swap_backend("aot_eager"))
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
 
 
 _SANITIZED_STEP = textwrap.dedent("""
     import torch, swap_pass
     from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
-    cfg = LlamaConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=512, vocab_size=128)
+    cfg = LlamaConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=512,
+                      vocab_size=128)
     model = LlamaStyleModel(cfg, recompute=True).cuda()
     ids, labels = make_batch(cfg, 2, 128, device="cuda")
     path = {path!r}
@@ -275,7 +279,8 @@ _SANITIZED_STEP = textwrap.dedent("""
         with swap_pass.enable_swap_layer_input(model):
             model(ids, labels).backward()
     elif path == "graph":
-        torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"))(ids, labels).backward()
+        compiled = torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"))
+        compiled(ids, labels).backward()
     else:
         with swap_pass.SmartSwap(model, memory_budget=0.5) as smart:
             for _ in range(3):

@@ -146,8 +146,8 @@ def test_graph_path_with_retain_graph_on_two_devices_is_exact():
     with stream_model(seed=0) as model:
         got = run(m0, m1, swap_pass.make_swap_backend("aot_eager"), model.device)
         assert swap_pass.swap_stats().swap_outs >= 4
-    for want, have in zip(ref, got):
-        assert all(torch.equal(x, y) for x, y in zip(want, have))
+    for want, have in zip(ref, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(want, have, strict=True))
     assert not model.hazards
     torch._dynamo.reset()
 

@@ -90,7 +90,7 @@ class _Trainer(threading.Thread):
 
 
 def _overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> int:
-    return sum(1 for (a0, a1), (b0, b1) in zip(a, b) if a0 < b1 and b0 < a1)
+    return sum(1 for (a0, a1), (b0, b1) in zip(a, b, strict=True) if a0 < b1 and b0 < a1)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
@@ -103,9 +103,10 @@ def test_two_models_in_two_threads_exact_and_clean(path, recompute):
     managers = swap_pass.SwapLayerInputManager.managers
     assert len(tags) == 2 and all(len(managers(t)) == CFG.num_layers for t in tags)
     expected = [[_sgd_step(ref, batch(CFG, seed=seed * 100 + step)) for step in range(STEPS)]
-                for seed, (ref, _) in zip((1, 2), pairs)]
+                for seed, (ref, _) in zip((1, 2), pairs, strict=True)]
     barrier = threading.Barrier(2)
-    trainers = [_Trainer(model, seed, barrier) for seed, model in zip((1, 2), models)]
+    trainers = [_Trainer(model, seed, barrier)
+                for seed, model in zip((1, 2), models, strict=True)]
     for t in trainers:
         t.start()
     for t in trainers:
@@ -114,8 +115,8 @@ def test_two_models_in_two_threads_exact_and_clean(path, recompute):
         assert not t.is_alive(), f"{t.name} hung"
         if t.error is not None:
             raise t.error
-    for t, exp in zip(trainers, expected):
-        for step, (e, got) in enumerate(zip(exp, t.results, strict=True)):
+    for t, exp in zip(trainers, expected, strict=True):
+        for _step, (e, got) in enumerate(zip(exp, t.results, strict=True)):
             assert_exact(e, got)
         # Every input but the last was freed on the device between forward and backward.
         assert t.resident == [[0] * SWAPPED_LAYERS + [input_bytes(2, 8)]] * STEPS

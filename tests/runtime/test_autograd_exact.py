@@ -30,6 +30,6 @@ def test_gradients_bitwise_after_swap(device) -> None:
     ref_loss, ref_grads = _loss_and_grads(False, device)
     loss, grads = _loss_and_grads(True, device)
     assert torch.equal(loss, ref_loss)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         assert torch.equal(g, r)
 

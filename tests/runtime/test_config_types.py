@@ -36,7 +36,8 @@ def _gm() -> torch.fx.GraphModule:
 
 
 @pytest.mark.parametrize("api, call", [
-    ("enable_swap_layer_input", lambda c: swap_pass.enable_swap_layer_input(_two_layers(), config=c)),
+    ("enable_swap_layer_input",
+     lambda c: swap_pass.enable_swap_layer_input(_two_layers(), config=c)),
     ("apply_swap_pass", lambda c: swap_pass.apply_swap_pass(_gm(), config=c)),
     ("make_swap_backend", lambda c: swap_pass.make_swap_backend("aot_eager", config=c)),
     ("SmartSwap", lambda c: swap_pass.SmartSwap(torch.nn.Linear(4, 4), memory_budget=1, config=c)),

@@ -217,8 +217,10 @@ def test_a_group_dropped_mid_flight_needs_no_event_synchronize(monkeypatch):
 @pytest.mark.parametrize("make", ["from_numpy", "frombuffer"])
 def test_a_non_resizable_storage_is_kept_and_counted(make):
     data = np.arange(32, dtype=np.float32)
-    x = torch.from_numpy(data) if make == "from_numpy" else torch.frombuffer(bytearray(data.tobytes()),
-                                                                             dtype=torch.float32)
+    if make == "from_numpy":
+        x = torch.from_numpy(data)
+    else:
+        x = torch.frombuffer(bytearray(data.tobytes()), dtype=torch.float32)
     assert not x.untyped_storage().resizable()
     with pytest.warns(RuntimeWarning, match="non_resizable"):
         group = _round_trip(x)
@@ -239,7 +241,8 @@ def test_a_group_keeps_its_non_resizable_storage_and_swaps_the_rest():
     assert swap_pass.swap_stats().skipped_bytes["non_resizable"] == 32
 
 
-@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"),
+                    reason="this torch has no cudagraph_unsafe tag")
 @pytest.mark.parametrize("op", ["swap_out", "prefetch", "swap_in", "wait"])
 def test_graph_ops_are_never_captured_into_a_cuda_graph(op):
     assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.swap_pass, op).default.tags
@@ -253,7 +256,8 @@ def test_dropping_cached_pinned_buffers_returns_pinned_memory(monkeypatch):
     measures pinned bytes after reset())."""
     calls = []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1), raising=False)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1),
+                        raising=False)
     pool = host_pool()
     buf = pool.acquire(64, pin=False)
     pool.release(buf, pinned=True)  # as a pinned buffer's bucket

@@ -19,7 +19,8 @@ def test_preflight_error_names_both_numbers() -> None:
 
 
 def test_preflight_respects_cap() -> None:
-    with pytest.raises(HostMemoryError, match="max_host_bytes is too small.*2048 bytes needed.*1024"):
+    with pytest.raises(HostMemoryError,
+                       match="max_host_bytes is too small.*2048 bytes needed.*1024"):
         preflight(2048, max_host_bytes=1024, available=10**9)
 
 
@@ -100,7 +101,8 @@ def test_a_buffer_taken_like_a_tensor_has_its_shape_and_keeps_it() -> None:
     pool.clear()
     like = torch.empty(3, 4, dtype=torch.float16)
     buf, event = pool.take(like.nbytes, pin=False, like=like)
-    assert (buf.dtype, buf.shape, buf.is_contiguous(), event) == (torch.float16, like.shape, True, None)
+    assert (buf.dtype, buf.shape, buf.is_contiguous(), event) == (
+        torch.float16, like.shape, True, None)
     assert pool.bytes_in_use == 24
     pool.release(buf)
     again, _ = pool.take(24, pin=False, like=like)  # the same layer's next step: no view op

@@ -1,4 +1,5 @@
-"""Runtime-level stream races, shown under the CPU stream model: pinned buffer reuse, one storage in two groups."""
+"""Runtime-level stream races, shown under the CPU stream model: pinned buffer reuse, one storage
+in two groups."""
 
 from __future__ import annotations
 

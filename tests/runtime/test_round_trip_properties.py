@@ -1,4 +1,5 @@
-"""Property tests (hypothesis): any layout of views over one storage survives a round trip bitwise."""
+"""Property tests (hypothesis): any layout of views over one storage survives a round trip
+bitwise."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def view_layouts(draw):
         size = base.shape[dim]
         start = draw(st.integers(0, size - 1))
         step = draw(st.integers(1, 2))
-        view = base.narrow(dim, start, size - start)[(slice(None),) * dim + (slice(None, None, step),)]
+        index = (slice(None),) * dim + (slice(None, None, step),)
+        view = base.narrow(dim, start, size - start)[index]
         if view.dim() > 1 and draw(st.booleans()):
             view = view.transpose(0, view.dim() - 1)
         views.append(view)
@@ -48,7 +50,7 @@ def test_round_trip_any_layout_bitwise(views) -> None:
     assert all(v.untyped_storage().nbytes() == 0 for v in views)
     group.swap_to_device()
     group.wait_h2d()
-    for v, (ref, shape, stride, offset, dtype) in zip(views, refs):
+    for v, (ref, shape, stride, offset, dtype) in zip(views, refs, strict=True):
         assert (v.shape, v.stride(), v.storage_offset(), v.dtype) == (shape, stride, offset, dtype)
         assert torch.equal(v, ref)
     assert swap_pass.swap_stats().host_bytes_in_use == 0

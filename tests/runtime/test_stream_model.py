@@ -1,4 +1,5 @@
-"""The CPU stream model queues side-stream copies, poisons what they write, and catches a lost wait."""
+"""The CPU stream model queues side-stream copies, poisons what they write, and catches a lost
+wait."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _exact(seed: int, races: list[str] | None = None) -> bool:
         loss, grads = _loss_and_grads(True, "cpu")
     if races is not None:
         races.extend(model.races)
-    return torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    return torch.equal(loss, ref_loss) and all(
+        torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
 
 
 def test_copy_is_queued_and_destination_poisoned_until_waited_for():

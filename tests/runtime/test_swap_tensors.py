@@ -75,7 +75,7 @@ def test_round_trip_bitwise(case: str, device, use_streams) -> None:
         assert t.untyped_storage().nbytes() == 0, "device storage must be freed after wait_d2h"
     group.swap_to_device()
     group.wait_h2d()
-    for t, (ref, stride, offset, dtype) in zip(tensors, before):
+    for t, (ref, stride, offset, dtype) in zip(tensors, before, strict=True):
         assert torch.equal(t, ref)
         assert (t.stride(), t.storage_offset(), t.dtype) == (stride, offset, dtype)
 
@@ -238,7 +238,7 @@ def test_nested_tensors_are_left_out_of_a_group() -> None:
     assert plain.untyped_storage().nbytes() == 0, "the plain tensor must really be swapped out"
     group.swap_to_device()
     group.wait_h2d()
-    assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), before))
+    assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), before, strict=True))
 
 
 def test_in_place_write_during_d2h_detected(device) -> None:
@@ -263,9 +263,11 @@ def test_freed_tensors_are_guarded_from_wait_d2h_to_wait_h2d(device) -> None:
     assert is_guarded(base) and is_guarded(view) and not is_guarded(small)
     assert (base.shape, view.storage_offset(), base._version, base.untyped_storage().nbytes()) == (
         (64,), 8, 0, 0)
-    assert repr(base) == f"tensor(<swapped out by swap_pass: layers[3]>, size=(64,), dtype=torch.float32, device='{device}')"
-    with pytest.raises(swap_pass.SwapDataError, match=r"Tensor\.data \(get\) was called on a tensor of layers\[3\]"):
-        base.data  # an alias over the freed storage would crash its first reader
+    assert repr(base) == (f"tensor(<swapped out by swap_pass: layers[3]>, size=(64,), "
+                          f"dtype=torch.float32, device='{device}')")
+    with pytest.raises(swap_pass.SwapDataError,
+                       match=r"Tensor\.data \(get\) was called on a tensor of layers\[3\]"):
+        _ = base.data  # an alias over the freed storage would crash its first reader
     group.swap_to_device()
     assert is_guarded(base), "the copy back may still be writing the storage"
     group.wait_h2d()
@@ -351,7 +353,8 @@ def test_dense_tensor_copies_tensor_to_tensor_without_autograd_or_version_bumps(
     group = SwapTensors([t])
     group.swap_to_host()
     host = group._entries[0].host
-    assert (host.dtype, host.shape, host.requires_grad, host.grad_fn) == (t.dtype, t.shape, False, None)
+    assert (host.dtype, host.shape, host.requires_grad, host.grad_fn) == (
+        t.dtype, t.shape, False, None)
     group.wait_d2h()
     assert t.untyped_storage().nbytes() == 0
     group.swap_to_device()

@@ -141,7 +141,8 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
     from swap_pass.smart.bench import ResidentSavedBytes
     model = _parallelize(Net(), run, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [], "inputs_intact": True}
+    out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [],
+           "inputs_intact": True}
     smart = swap_pass.SmartSwap(model, memory_budget=smart_budget) if smart_budget else None
     if smart is not None:
         smart.__enter__()
@@ -184,10 +185,13 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
 
 
 def _compare(ref: dict, got: dict) -> dict:
-    eq = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+    def eq(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
     return {
         "losses_equal": eq(ref["losses"], got["losses"]),
-        "grads_equal": all(eq(a, b) for a, b in zip(ref["grads"], got["grads"])),
+        "grads_equal": len(ref["grads"]) == len(got["grads"]) and all(
+            eq(a, b) for a, b in zip(ref["grads"], got["grads"], strict=True)),
         "params_equal": eq(ref["params"], got["params"]),
         "released": got["released"], "stages": got["stages"],
         "peaks": got["peaks"], "unswapped_peaks": ref["peaks"],
@@ -208,7 +212,8 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
     import swap_pass
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     results = {}
     try:
         mesh = init_device_mesh("cpu", (world,))

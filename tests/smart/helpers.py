@@ -40,7 +40,8 @@ class Pair:
         self.ref = copy.deepcopy(self.model)
         self.device = device
 
-    def step(self, smart: SmartSwap, seq: int = SEQ, batch: int = BATCH, seed: int = 0) -> SavedBytesCounter:
+    def step(self, smart: SmartSwap, seq: int = SEQ, batch: int = BATCH,
+             seed: int = 0) -> SavedBytesCounter:
         ids, labels = make_batch(self.model.cfg, batch, seq, seed=seed, device=self.device)
         with no_hooks():
             ref_loss = self.ref(ids, labels)
@@ -50,7 +51,7 @@ class Pair:
             counter.sample()
             loss.backward()
         assert torch.equal(loss, ref_loss)
-        for p, q in zip(self.model.parameters(), self.ref.parameters()):
+        for p, q in zip(self.model.parameters(), self.ref.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
         self.model.zero_grad(set_to_none=True)
         self.ref.zero_grad(set_to_none=True)

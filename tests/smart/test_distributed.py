@@ -39,8 +39,9 @@ def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(resul
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert all(b > 0 for b in res["released"]), (rank, res["released"])
         assert res["stages"][-2:] == ["stable", "stable"] and res["feasible"], (rank, res)
-        stable = [p for p, s in zip(res["peaks"], res["stages"]) if s == "stable"]
-        assert all(p <= res["budget_bytes"] < max(res["unswapped_peaks"]) for p in stable), (rank, res)
+        stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
+        assert all(p <= res["budget_bytes"] < max(res["unswapped_peaks"]) for p in stable), (
+            rank, res)
         assert res["host_bytes_in_use"] == 0 and res["inputs_intact"], (rank, res)
 
 

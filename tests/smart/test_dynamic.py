@@ -133,7 +133,7 @@ def test_every_micro_batch_of_an_accumulation_step_is_planned_and_exact():
             for mb in range(3):
                 ids, labels = make_batch(model.cfg, BATCH, 32, seed=10 * step + mb)
                 freed.append(_micro_batch(model, ref, ids, labels))
-            for p, q in zip(model.parameters(), ref.parameters()):
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)

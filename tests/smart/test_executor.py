@@ -66,7 +66,7 @@ def test_a_tensor_someone_still_holds_is_never_freed():
     x2 = x.detach().clone().requires_grad_()
     ref_model(x2).backward()
     assert torch.equal(x.grad, x2.grad)
-    for g, h in zip(grads_of(model), grads_of(ref_model)):
+    for g, h in zip(grads_of(model), grads_of(ref_model), strict=True):
         assert torch.equal(g, h)
 
 
@@ -76,7 +76,7 @@ def test_parameters_buffers_and_inputs_are_never_swapped():
     before = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
     with SmartSwap(model, memory_budget=0, config=CONSERVATIVE):
         loss = model(x)
-        for t, b in zip([*model.parameters(), *model.buffers(), x], [*before, x]):
+        for t, b in zip([*model.parameters(), *model.buffers(), x], [*before, x], strict=True):
             assert t.untyped_storage().nbytes() > 0 and torch.equal(t.detach(), b.detach())
         assert swap_pass.swap_stats().swap_outs > 0
         loss.backward()
@@ -160,7 +160,7 @@ def test_retain_graph_second_backward_is_exact():
     r = ref(ids, ids)
     r.backward(retain_graph=True)
     r.backward()
-    for g, h in zip(grads_of(model), grads_of(ref)):
+    for g, h in zip(grads_of(model), grads_of(ref), strict=True):
         assert torch.equal(g, h)
 
 

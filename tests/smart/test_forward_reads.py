@@ -54,7 +54,7 @@ def _steps(model: nn.Module, steps: int) -> list:
             loss = model(x)
             loss.backward()
             assert torch.equal(loss, ref_loss) and torch.equal(x.grad, rx.grad)
-            for p, q in zip(model.parameters(), ref.parameters()):
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)
             x.grad = None
             model.zero_grad(set_to_none=True)

@@ -88,14 +88,14 @@ def _run(model: nn.Module, inputs: tuple, leaves: list[torch.Tensor]) -> None:
             loss.backward()
             smart.step()
             assert torch.equal(loss, ref_loss)
-            for p, q in zip(model.parameters(), ref.parameters()):
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)
-            for a, b in zip(leaves, ref_leaves):
+            for a, b in zip(leaves, ref_leaves, strict=True):
                 assert _same(a.grad, b.grad)
                 a.grad = b.grad = None
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
-    for t, b in zip(inputs, before):
+    for t, b in zip(inputs, before, strict=True):
         assert _same(t.detach(), b)
     assert smart.stage == "stable"
 
@@ -135,7 +135,8 @@ def test_subclass_saved_tensors_are_kept_counted_and_the_dense_ones_still_move()
     with pytest.warns(RuntimeWarning, match=r"stays on the device \(subclass\)"):
         _run(SubclassMix(), (x,), [])
     stats = swap_pass.swap_stats()
-    assert stats.skips["subclass"] >= STEPS and stats.skipped_bytes["subclass"] >= STEPS * 2 * 64 * 64 * 4
+    assert (stats.skips["subclass"] >= STEPS
+            and stats.skipped_bytes["subclass"] >= STEPS * 2 * 64 * 64 * 4)
     assert stats.swapped_out_bytes > 0 and stats.host_bytes_in_use == 0
 
 

@@ -74,7 +74,8 @@ def test_quarter_budget_is_met_by_a_strict_subset(profile):
     policy = gen_policy(profile, budget, num_groups=8)
     assert policy.feasible and policy.predicted_peak <= budget
     assert 0 < len(policy.swapped) < len(policy.candidates)
-    assert replay_peak(profile, set(policy.swapped), policy.prefetch_depth, 8)[0] == policy.predicted_peak
+    assert (replay_peak(profile, set(policy.swapped), policy.prefetch_depth, 8)[0]
+            == policy.predicted_peak)
     assert "within budget" in policy.summary()
 
 

@@ -12,7 +12,8 @@ GB = 1e9
 
 
 def test_no_swap_has_no_stall_and_peak_is_all_saved_bytes():
-    r = simulate([1.0] * 4, [2.0] * 4, [10, 20, 30, 40], [0] * 4, d2h_bandwidth=GB, h2d_bandwidth=GB)
+    r = simulate([1.0] * 4, [2.0] * 4, [10, 20, 30, 40], [0] * 4, d2h_bandwidth=GB,
+                 h2d_bandwidth=GB)
     assert r.stall_s == 0.0
     assert r.peak_bytes == 100
     assert r.step_s == pytest.approx(12.0)

@@ -67,7 +67,8 @@ def test_without_a_plan_cache_fifty_steps_with_the_length_changing_every_ten_rep
         log = smart.stage_log
     replans = [e.step for e in log if e.before == Stage.STABLE and e.after == Stage.GEN_POLICY]
     assert replans == [10, 20, 30, 40]
-    assert all("signature changed" in e.reason for e in log if e.step in replans and e.after == "gen_policy")
+    assert all("signature changed" in e.reason for e in log
+               if e.step in replans and e.after == "gen_policy")
     assert [e.step for e in log if e.after == Stage.STABLE] == [1, 11, 21, 31, 41]
     assert all(peak <= budget for _, peak, budget in stable_peaks), stable_peaks
     assert {step for step, _, _ in stable_peaks} >= {10, 20, 30, 40}
