@@ -23,8 +23,13 @@ def free_port() -> int:
 def spawn_ranks(fn, nprocs: int, out: Path, *args, seconds: float = 600) -> list[dict]:
     """Run ``fn(rank, nprocs, port, str(out), *args)`` on ``nprocs`` ranks; each writes
     ``out/rank<r>.json``, returned in rank order."""
-    ctx = mp.start_processes(fn, args=(nprocs, free_port(), str(out), *args), nprocs=nprocs,
-                             join=False, start_method="spawn")
+    spawn_with_deadline(fn, (nprocs, free_port(), str(out), *args), nprocs, seconds)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def spawn_with_deadline(fn, args: tuple, nprocs: int, seconds: float) -> None:
+    """``mp.spawn`` of ``fn(rank, *args)`` that kills the ranks when they outlive ``seconds``."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + seconds
     try:
         while not ctx.join(timeout=2):
@@ -35,4 +40,3 @@ def spawn_ranks(fn, nprocs: int, out: Path, *args, seconds: float = 600) -> list
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]

@@ -8,13 +8,11 @@ without swap; this test spawns it and asserts on what both ranks report.
 from __future__ import annotations
 
 import json
-import socket
-import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.distributed.spawn import free_port, spawn_with_deadline
 from tests.eager import pp_worker
 
 # Per rank and step: 4 micro-batches x the swapped layers of the rank (4 layers per rank; the
@@ -25,38 +23,13 @@ from tests.eager import pp_worker
 RUNS = pp_worker.RUNS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory) -> list[dict]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     out = tmp_path_factory.mktemp("pp")
-    _spawn_with_deadline(pp_worker.run, (2, _free_port(), str(out)), nprocs=2, seconds=600)
+    spawn_with_deadline(pp_worker.run, (2, free_port(), str(out)), nprocs=2, seconds=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def _spawn_with_deadline(fn, args: tuple, nprocs: int, seconds: float) -> None:
-    """``mp.spawn`` that kills its ranks when they outlive ``seconds``.
-
-    A rank stuck in a collective (its peer failed) would otherwise outlive the test's timeout,
-    and pytest's exit waits for non-daemon children: the whole run would hang, not fail.
-    """
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + seconds
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline ranks still running after {seconds} s; killed")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
 
 
 @pytest.mark.parametrize("run", RUNS)

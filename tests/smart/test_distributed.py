@@ -14,7 +14,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from tests.eager.test_pipeline import _free_port, _spawn_with_deadline
+from tests.distributed.spawn import free_port, spawn_with_deadline
 from tests.smart import dist_worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -25,7 +25,7 @@ def results(tmp_path_factory) -> list[dict]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     out = tmp_path_factory.mktemp("smart_dist")
-    _spawn_with_deadline(dist_worker.run, (2, _free_port(), str(out)), nprocs=2, seconds=280)
+    spawn_with_deadline(dist_worker.run, (2, free_port(), str(out)), nprocs=2, seconds=280)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert "error" not in r, r["error"]
