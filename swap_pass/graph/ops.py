@@ -148,6 +148,15 @@ def _output_died(key: int, transfer: _Transfer) -> None:
         host_pool().release_when_unread(transfer.release, transfer.event)  # lock-free
 
 
+def _source_died_unwaited(key: int, transfer: _Transfer) -> None:
+    """A swapped-out tensor died before its ``wait`` (an exception later in the forward, a
+    refused host buffer): order its allocating stream after the copy that may still read it."""
+    with _lock:
+        if _transfers.get(key) is not transfer:
+            return  # waited for already: the compute stream is ordered after the copy
+    _order_compute_after(transfer)
+
+
 def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
     """The whole pooled buffer behind ``host`` (flat bytes), if it is still counted as in use."""
     with _lock:
@@ -238,8 +247,10 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     ds.wait(stream, ready)
     ds.wait(stream, last_copy)  # the buffer's last copy, if still running
     ds.copy(stream, host, x, pinned=ds.pin_memory)
+    transfer = _Transfer(ds.record_event(stream), x.device, use_streams)
     with _lock:
-        _transfers[host.data_ptr()] = _Transfer(ds.record_event(stream), x.device, use_streams)
+        _transfers[host.data_ptr()] = transfer
+    weakref.finalize(x.untyped_storage(), _source_died_unwaited, host.data_ptr(), transfer)
     _track_host_buffer(buf)
     stats.record_swap_out(_nbytes(x))
     return host
