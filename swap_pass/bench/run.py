@@ -173,7 +173,7 @@ def _warm_up_kernels(pace) -> None:
     pace.step()
 
 
-def _load() -> float | None:
+def load_average() -> float | None:
     """The 1-minute load average (other work on the machine skews the step times)."""
     try:
         return round(os.getloadavg()[0], 2)
@@ -221,7 +221,7 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
                 {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
     report.host = (host_cost_rows() if host_rows
                    else {"status": "skipped", "reason": "--no-host-rows"})
-    report.meta["load_avg_1m"].append(_load())
+    report.meta["load_avg_1m"].append(load_average())
     return report
 
 
@@ -248,7 +248,7 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
          smart_budget_fraction: float, progress: Callable[[str], None] | None,
          on_step: Callable[[], None] | None) -> BenchReport:
     rows: list[MethodResult] = []
-    load_before, build = _load(), source_build()  # as the measuring starts
+    load_before, build = load_average(), source_build()  # as the measuring starts
     pace = pace_setter(preset, ctx.device, seed)
     _warm_up_kernels(pace)
     for method in methods:
@@ -267,5 +267,5 @@ def _run(preset: BenchPreset, ctx: BenchContext, methods: list[Method], seed: in
             "torch": torch.__version__, "build": build,
             "preset": dataclasses.asdict(preset),
             "compile_inner": ctx.compile_inner, "smart_budget_bytes": ctx.smart_budget_bytes,
-            "seed": seed, "load_avg_1m": [load_before, _load()]}
+            "seed": seed, "load_avg_1m": [load_before, load_average()]}
     return BenchReport(meta, rows, _anchor(preset, ctx.device, rows), {})

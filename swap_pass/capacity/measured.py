@@ -27,7 +27,13 @@ from swap_pass.bench.harness import MethodResult, run_method
 from swap_pass.bench.measure import intra_op_threads
 from swap_pass.bench.methods import BenchContext, Method
 from swap_pass.bench.presets import BenchPreset
-from swap_pass.bench.run import compare_losses, describe_machine, select_methods
+from swap_pass.bench.run import (
+    compare_losses,
+    describe_machine,
+    load_average,
+    select_methods,
+    source_build,
+)
 from swap_pass.capacity.limits import available_host_bytes, device_memory_cap
 from swap_pass.capacity.model import ModelShape, method_memory, state_bytes
 from swap_pass.capacity.planned import (
@@ -287,6 +293,7 @@ def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *,
         progress: Called with a line per method and per probe. Default: ``None``.
     """
     chosen = select_methods(methods or list(METHOD_LABELS))
+    load_before, build = load_average(), source_build()  # as the measuring starts
     host = available_host_bytes() if host_limit_bytes is None else host_limit_bytes
     keys = tuple(m.key for m in chosen if m.key in METHOD_LABELS)
     planned = {p.method: p.max // dim_quantum(preset, dim)
@@ -305,7 +312,8 @@ def run_capacity(preset: BenchPreset, device: torch.device, cap_bytes: int, *,
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": describe_machine(device), "device": str(device), "torch": torch.__version__,
             "preset": dataclasses.asdict(preset), "command": command, "seed": seed,
-            "threads": threads, "peak_source": _peak_source(virtual)}
+            "threads": threads, "peak_source": _peak_source(virtual), "build": build,
+            "load_avg_1m": [load_before, load_average()]}
     return CapacityReport(cap_bytes, dim, virtual, host, rows, meta)
 
 
