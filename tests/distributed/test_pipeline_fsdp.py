@@ -69,9 +69,12 @@ def test_pipeline_x_fsdp2_exact_and_swapped_on_every_rank(reports, schedule):
         assert res["grads_present"] and res["n_params"] > 0, (rank, res)
         assert res["ref_outs"] == 0
         per_mb = swapped_per_microbatch(stage)
-        # The first step also runs the stage's metadata inference: one more micro-batch's
-        # forward and backward, with real tensors.
-        forwards = [worker.MICROBATCHES * (s + 1) + 1 for s in range(worker.STEPS)]
+        # torch 2.13's first step also runs the stage's metadata inference: one more micro-batch's
+        # forward and backward with real tensors and grad on (releases that infer shapes under
+        # no_grad swap nothing there).
+        inference = res["outs"][0] // per_mb - worker.MICROBATCHES
+        assert inference in (0, 1), (rank, res)
+        forwards = [worker.MICROBATCHES * (s + 1) + inference for s in range(worker.STEPS)]
         assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
         assert res["freed"] == [stage == 0] + [True] * (per_mb - (stage == 0)) + [False], (
             rank, res)
