@@ -74,7 +74,10 @@ CPU the bytes are gone at the death, so a copy that runs inside the death (the f
 completes it) is not performed: it counts in :attr:`StreamModel.copies_on_dead_blocks` when the
 allocating stream was ordered after it by the end of the death (a destination it should have
 filled keeps its poison), and is a hazard otherwise. A finalizer registered before the model met
-the storage runs after the model's judgement; its wait would not count.
+the storage runs after the model's judgement; its wait would not count. A host pool buffer that
+dies with a copy queued is neither a race nor a hazard (the caching host allocator hands a pinned
+block out again only after the copies that used it completed); that copy is not performed and
+counts in ``copies_on_dead_blocks`` too.
 
 Several fake devices (:meth:`StreamModel.device`), each with a compute stream and two side
 streams, share the one host pool, as several accelerators of one process do. The compute stream
@@ -625,6 +628,11 @@ class StreamModel:
         fin = self._finalizers.get(side.key)
         return fin is not None and fin.alive and side.storage() is None
 
+    def _is_dead_host_buffer(self, side: _Side) -> bool:
+        """Whether ``side`` is a host pool buffer that died (as a pinned block on a device, it
+        is handed out again only once the copies that used it completed)."""
+        return side.key in self._host_keys and side.storage() is None
+
     def _side_streams(self) -> list[ModelStream]:
         return [s for s in self._all_streams if not s.is_compute]
 
@@ -638,18 +646,29 @@ class StreamModel:
 
     def _run(self, c: _Copy, stream: ModelStream) -> None:
         dst, src = c.dst.tensor(), c.src.tensor()
-        bad = [n for n, t in (("source", src), ("destination", dst)) if t is None]
-        dying = [side.key for side in (c.src, c.dst) if self._is_dying(side)]
-        if dying and len(dying) == len(bad):  # judged when the death ends: see _died
-            for key in dying:
-                self._dying.setdefault(key, []).append(c)
-        elif bad:
-            self.hazards.append(f"{c.what} ran after its {' and '.join(bad)} storage was freed")
-        else:
+        if dst is not None and src is not None:
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 dst.copy_(src)
+        else:
+            self._not_performed(c, [(n, side) for n, side, t in (("source", c.src, src),
+                                                                 ("destination", c.dst, dst))
+                                    if t is None])
         for fn in c.then:
             fn()
+
+    def _not_performed(self, c: _Copy, gone: list[tuple[str, _Side]]) -> None:
+        """``c`` cannot run: the storages ``gone`` (name, side) died or were freed in place. See
+        Note: [Storages that die with a copy queued]."""
+        freed = [n for n, side in gone
+                 if not self._is_dying(side) and not self._is_dead_host_buffer(side)]
+        if freed:
+            self.hazards.append(f"{c.what} ran after its {' and '.join(freed)} storage was freed")
+            return
+        dying = [side.key for _, side in gone if self._is_dying(side)]
+        for key in dying:  # judged when the death ends: see _died
+            self._dying.setdefault(key, []).append(c)
+        if not dying:  # host buffers only: a pinned block waits for the copies that used it
+            self.copies_on_dead_blocks += 1
 
 
 _active_lock = threading.Lock()

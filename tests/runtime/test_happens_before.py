@@ -261,6 +261,26 @@ def test_a_prefetched_tensor_dying_before_its_wait_orders_its_stream_after_the_c
     assert ops.pending_transfers() == 0
 
 
+@pytest.mark.parametrize("first", ["source", "host_copy"])
+def test_a_swapped_out_tensor_dying_before_its_wait_orders_its_stream_after_the_copy(first):
+    """An exception later in the forward drops the source and its host copy before the wait, in
+    either order. Before the fix a host copy dying first took the pending copy out of the
+    registry, and the source's finalizer then ordered nothing: the source's block went back to
+    the compute stream's pool while the copy out could still read it."""
+    with stream_model(early_probability=0.0, check=False) as model:
+        x = torch.full((16,), 4.0)
+        host = ops.swap_out(x)
+        if first == "source":
+            del x
+            del host
+        else:
+            del host
+            del x
+    assert not model.races and not model.hazards, (model.races, model.hazards)
+    assert model.copies_on_dead_blocks == 1
+    assert ops.pending_transfers() == 0 and swap_pass.swap_stats().host_bytes_in_use == 0
+
+
 def test_reset_with_a_prefetch_in_flight_orders_compute_after_it():
     x = torch.full((16,), 4.0)
     with stream_model(early_probability=0.0, check=False) as model:
