@@ -362,9 +362,10 @@ class StreamModel:
         races: Descriptions of unordered accesses (see Note: [Happens-before checker]).
         copies_queued: Copies issued on a side stream (the rest ran at once).
         copies_run_early: Queued copies completed at a random point, before anyone waited.
-        copies_on_dead_blocks: Queued copies that came to run while a storage of theirs was
-            dying, its allocating stream ordered after them (see Note: [Storages that die with
-            a copy queued]); not performed, and not hazards.
+        copies_on_dead_blocks: Queued copies not performed, and not hazards, because a storage
+            of theirs died where a device would still hold its bytes: it was dying when they
+            ran and its allocating stream was ordered after them by the end of that death, or
+            it was a host pool buffer (see Note: [Storages that die with a copy queued]).
     """
 
     def __init__(self, seed: int = 0, early_probability: float = 0.25) -> None:
