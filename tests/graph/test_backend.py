@@ -260,12 +260,11 @@ def test_forward_without_backward_and_no_grad_leave_nothing():
     assert swap_pass.swap_stats().swap_outs == before  # inference graph: nothing saved, no swap
 
 
-# Not under the stream model: the refused host buffer raises mid-forward, and the first layer's
-# swapped-out input dies before its wait. swap_out's finalizer then makes the compute stream wait
-# on the copy, which is what an accelerator's allocator needs (it hands the freed block only to
-# work queued after that wait); the model frees a dying storage at once and reports the copy.
-@pytest.mark.no_stream_model
 def test_host_cap_applies_to_the_compiled_path():
+    """The refused host buffer raises mid-forward; the first layer's swapped-out input dies
+    before its wait, its copy out still queued. Under the stream model swap_out's finalizer must
+    order the compute stream after that copy before the death returns (Note: [Storages that die
+    with a copy queued] in swap_pass/testing.py)."""
     model = tiny_model(L, recompute=True)
     torch._dynamo.reset()
     backend = make_swap_backend("aot_eager", config=SwapConfig(max_host_bytes=1024))
