@@ -33,6 +33,7 @@ from torch import nn
 RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic"]
 TITAN_RUNS = ("ddp", "fsdp2-ac", "tp-classic")  # built by tests/distributed/dist_worker.py
 STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
+BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
 
 
 class Block(nn.Module):
@@ -213,6 +214,7 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None, setup=setup_of
     if smart is not None:
         out["budget_bytes"] = smart.policy.budget_bytes
         out["feasible"] = smart.policy.feasible
+        out["plan"] = smart.policy.summary()
     out["host_bytes_in_use"] = swap_pass.swap_stats().host_bytes_in_use
     out["skipped"] = dict(swap_pass.swap_stats().skipped_bytes)
     return out
@@ -229,7 +231,7 @@ def _compare(ref: dict, got: dict) -> dict:
         "params_equal": eq(ref["params"], got["params"]),
         "released": got["released"], "stages": got["stages"],
         "peaks": got["peaks"], "unswapped_peaks": ref["peaks"],
-        "budget_bytes": got["budget_bytes"], "feasible": got["feasible"],
+        "budget_bytes": got["budget_bytes"], "feasible": got["feasible"], "plan": got["plan"],
         "inputs_intact": got["inputs_intact"] and ref["inputs_intact"],
         "host_bytes_in_use": got["host_bytes_in_use"],
         "dtensors_freed": got["dtensors_freed"], "collectives_freed": got["collectives_freed"],
@@ -239,10 +241,10 @@ def _compare(ref: dict, got: dict) -> dict:
 
 
 def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = None,
-        setup=setup_of) -> None:
+        setup=setup_of, budget: float = BUDGET) -> None:
     """Entry point for ``torch.multiprocessing.spawn``: each of ``runs`` (default :data:`RUNS`)
-    without and with SmartSwap; ``setup`` builds them (default :func:`setup_of`; a module-level
-    function, to reach the spawned ranks)."""
+    without and with ``SmartSwap(model, memory_budget=budget)``; ``setup`` builds them (default
+    :func:`setup_of`; a module-level function, to reach the spawned ranks)."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -261,7 +263,7 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
             ref = _train(name, rank, mesh, None, setup)
             swap_pass.reset()
             with maybe_stream_model() as model:  # SWAP_PASS_STREAM_MODEL=1 reaches the ranks
-                got = _train(name, rank, mesh, 0.5, setup)
+                got = _train(name, rank, mesh, budget, setup)
             results[name] = _compare(ref, got)
             if model is not None:
                 results[name]["hazards"] = [str(h) for h in model.hazards]

@@ -41,16 +41,20 @@ def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(resul
     check(results, run)
 
 
-def check(results: list[dict], run: str) -> None:
-    """What every run must show on every rank (see the module docstring)."""
+def check(results: list[dict], run: str, *, binding: bool = True) -> None:
+    """What every run must show on every rank (see the module docstring).
+
+    ``binding``: the budget is below the measured unswapped peak of saved activations (else
+    only the planned steps' measured peak is, and within the budget)."""
     for rank, per_run in enumerate(results):
         res = per_run[run]
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert all(b > 0 for b in res["released"]), (rank, res["released"])
         assert res["stages"][-2:] == ["stable", "stable"] and res["feasible"], (rank, res)
         stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
-        assert all(p <= res["budget_bytes"] < max(res["unswapped_peaks"]) for p in stable), (
-            rank, res)
+        ceiling = res["budget_bytes"] if binding else max(stable)
+        assert all(p <= res["budget_bytes"] for p in stable), (rank, res)
+        assert ceiling < max(res["unswapped_peaks"]), (rank, res)
         assert res["host_bytes_in_use"] == 0 and res["inputs_intact"], (rank, res)
         assert "subclass" not in res["skipped"], (rank, res["skipped"])
         assert res.get("hazards", []) == [], (rank, res["hazards"])  # SWAP_PASS_STREAM_MODEL=1
