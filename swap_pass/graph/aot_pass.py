@@ -385,9 +385,10 @@ def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) 
         return f"layer_filter={layer_filter!r} matches none of its modules", nbytes
     if not layers:
         return ("it holds no family of repeated layer blocks. If a graph break inside the layer "
-                "loop gave each layer a graph of its own, use swap_pass.compile_layers(model), "
-                "which swaps between layers outside the compiled regions, or remove the break; "
-                "else name the layers with layer_filter"), nbytes
+                "loop gave each layer a graph of its own (FSDP2's fully_shard does: Dynamo runs "
+                "its hooks eagerly, so each fully_shard block compiles on its own), use "
+                "swap_pass.compile_layers(model), which swaps between layers outside the compiled "
+                "regions, or remove the break; else name the layers with layer_filter"), nbytes
     if len(layers) == 1:
         return (f"it holds one layer ({layers[0].boundary.fqn}), the model's last, whose input "
                 "backward needs at once"), nbytes
