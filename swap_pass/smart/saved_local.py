@@ -83,6 +83,8 @@ def is_async_collective(t: torch.Tensor) -> bool:
 
 def _collective_of(t: torch.Tensor) -> torch.Tensor | None:
     """The ``AsyncCollectiveTensor`` holding ``t``'s data: ``t``, or a ``DTensor``'s local one."""
+    if type(t) is torch.Tensor:  # the common case, before the subclass lookups
+        return None
     if is_dtensor(t):
         t = t._local_tensor
     return t if is_async_collective(t) else None
