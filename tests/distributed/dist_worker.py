@@ -26,11 +26,12 @@ SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false",
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
 # swap: in their own process pair (compiling takes most of a minute per setup on 2 cores).
 COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
-# The whole model compiled with torch.compile(model, backend=make_swap_backend("aot_eager")) in
-# layer-input mode ("-compile-model") and budget mode ("-compile-budget"), against the same
-# whole-model compile with the plain aot_eager backend: their own process pair.
-MODEL_COMPILE_SETUPS = ["fsdp2-compile-model", "fsdp2-compile-budget", "tp-sp-compile-model",
-                        "tp-sp-compile-budget"]
+# The whole model (the DDP module for DDP) compiled with torch.compile(model,
+# backend=make_swap_backend("aot_eager")) in layer-input mode ("-compile-model") and budget mode
+# ("-compile-budget"), against the same whole-model compile with the plain aot_eager backend:
+# their own process pair.
+MODEL_COMPILE_SETUPS = ["ddp-compile-model", "fsdp2-compile-model", "fsdp2-compile-budget",
+                        "tp-sp-compile-model", "tp-sp-compile-budget"]
 MODEL_COMPILE_BUDGET = 0.5
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
 

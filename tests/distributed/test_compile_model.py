@@ -1,10 +1,12 @@
-"""Whole-model ``torch.compile(model, backend=make_swap_backend("aot_eager"))`` on FSDP2 and on
-tensor + sequence parallel, 2 gloo ranks (CPU), in layer-input mode and in budget mode
-(``memory_budget=0.5``, a cost model in which every copy hides).
+"""Whole-model ``torch.compile(model, backend=make_swap_backend("aot_eager"))`` on DDP, FSDP2 and
+tensor + sequence parallel, 2 gloo ranks (CPU), in layer-input mode and (FSDP2, TP + SP) in
+budget mode (``memory_budget=0.5``, a cost model in which every copy hides).
 
 Each setup trains three optimizer steps against the same whole-model compile with the plain
 ``aot_eager`` backend: losses, every gradient and every parameter ``torch.equal`` on every rank.
 
+* DDP (the DDP module compiled): one graph (the model has one gradient bucket, so DDP's graph
+  split does not cut it); the layer inputs are swapped, the bytes released asserted.
 * TP + SP: Dynamo traces the whole model (DTensors, the plans' hooks) into one graph; the swap
   ops are in it, and the bytes they release on each rank are asserted.
 * FSDP2: Dynamo runs ``fully_shard``'s hooks eagerly, so the only graph is one block's forward
@@ -14,7 +16,7 @@ Each setup trains three optimizer steps against the same whole-model compile wit
   block's call of it), exact, and warns that the budget is not reached (a graph's own inputs,
   the block input among them, are never swapped).
 
-One spawned process pair for the four setups; the reference compile runs once per
+One spawned process pair for the five setups; the reference compile runs once per
 parallelism.
 """
 
@@ -29,7 +31,8 @@ from tests.distributed.spawn import spawn_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 
 STEPS = dist_worker.STEPS
-SP_INPUT = models.BATCH * models.SEQ * models.DIM * 4 // 2  # this rank's sequence shard
+LAYER_INPUT = models.BATCH * models.SEQ * models.DIM * 4  # float32 [batch, seq, dim]
+SP_INPUT = LAYER_INPUT // 2  # this rank's sequence shard
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,16 @@ def _swapped_per_step(res: dict, calls: int) -> int:
     per_step = calls * sum(n for _, n, _ in res["compiled"]["partitions"])
     assert per_step > 0 and res["outs"] == [per_step * (s + 1) for s in range(STEPS)], res
     return per_step
+
+
+def test_ddp_whole_model_swaps_layer_inputs_exactly(reports):
+    for rank, res in _each_rank(reports, "ddp-compile-model"):
+        layers = models.LAYERS - 1
+        assert res["compiled"]["graphs"] == 1, (rank, res)
+        assert res["compiled"]["partitions"] == [["layer_input", layers, layers * LAYER_INPUT]]
+        _swapped_per_step(res, calls=1)
+        assert res["released"] == layers * LAYER_INPUT, (rank, res)
+        assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
 
 
 def test_tp_sp_whole_model_one_graph_swaps_layer_inputs_exactly(reports):
