@@ -31,7 +31,7 @@ COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
 # ("-compile-budget"), against the same whole-model compile with the plain aot_eager backend:
 # their own process pair.
 MODEL_COMPILE_SETUPS = ["ddp-compile-model", "fsdp2-compile-model", "fsdp2-compile-budget",
-                        "tp-sp-compile-model", "tp-sp-compile-budget"]
+                        "tp-sp-compile-model", "tp-sp-compile-budget", "tp-classic-compile-model"]
 MODEL_COMPILE_BUDGET = 0.5
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
 
@@ -55,7 +55,7 @@ def _wrap(setup: str, model, mesh):
 
     from tests.distributed import models as m
     if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
-        m.apply_tp(model, mesh, "classic" if setup == "tp-classic" else "sp")
+        m.apply_tp(model, mesh, "classic" if setup.startswith("tp-classic") else "sp")
     if setup.endswith("-ac"):
         for idx, block in enumerate(model.layers):
             model.layers[idx] = checkpoint_wrapper(block)

@@ -1,12 +1,15 @@
-"""Whole-model ``torch.compile(model, backend=make_swap_backend("aot_eager"))`` on DDP, FSDP2 and
-tensor + sequence parallel, 2 gloo ranks (CPU), in layer-input mode and (FSDP2, TP + SP) in
-budget mode (``memory_budget=0.5``, a cost model in which every copy hides).
+"""Whole-model ``torch.compile(model, backend=make_swap_backend("aot_eager"))`` on DDP, FSDP2,
+tensor + sequence parallel and classic tensor parallel, 2 gloo ranks (CPU), in layer-input mode
+and (FSDP2, TP + SP) in budget mode (``memory_budget=0.5``, a cost model in which every copy
+hides).
 
 Each setup trains three optimizer steps against the same whole-model compile with the plain
 ``aot_eager`` backend: losses, every gradient and every parameter ``torch.equal`` on every rank.
 
 * DDP (the DDP module compiled): one graph (the model has one gradient bucket, so DDP's graph
   split does not cut it); the layer inputs are swapped, the bytes released asserted.
+* Classic TP: one graph; the first block reads the embedding's all-reduce result through a view
+  the partitioner does not save, and the saved result itself is swapped in its place.
 * TP + SP: Dynamo traces the whole model (DTensors, the plans' hooks) into one graph; the swap
   ops are in it, and the bytes they release on each rank are asserted.
 * FSDP2: Dynamo runs ``fully_shard``'s hooks eagerly, so the only graph is one block's forward
@@ -16,7 +19,7 @@ Each setup trains three optimizer steps against the same whole-model compile wit
   block's call of it), exact, and warns that the budget is not reached (a graph's own inputs,
   the block input among them, are never swapped).
 
-One spawned process pair for the five setups; the reference compile runs once per
+One spawned process pair for the six setups; the reference compile runs once per
 parallelism.
 """
 
@@ -61,8 +64,10 @@ def _swapped_per_step(res: dict, calls: int) -> int:
     return per_step
 
 
-def test_ddp_whole_model_swaps_layer_inputs_exactly(reports):
-    for rank, res in _each_rank(reports, "ddp-compile-model"):
+@pytest.mark.parametrize("setup", ["ddp-compile-model", "tp-classic-compile-model"])
+def test_ddp_and_classic_tp_whole_model_swap_every_layer_input_but_the_last_exactly(reports,
+                                                                                    setup):
+    for rank, res in _each_rank(reports, setup):
         layers = models.LAYERS - 1
         assert res["compiled"]["graphs"] == 1, (rank, res)
         assert res["compiled"]["partitions"] == [["layer_input", layers, layers * LAYER_INPUT]]
