@@ -23,6 +23,7 @@ graph-peaks        ``python scripts/graph_peak.py --json PATH`` (``--graph``)
 gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
 gpu-compile        the same, its compile rows (``--gpu-compile``)
 megatron           ``swap-pass bench --megatron --json PATH`` (``--megatron``)
+megatron-cpu       ``python scripts/megatron_cpu_rows.py --json PATH`` (``--megatron-cpu``)
 capacity-batch     ``swap-pass capacity --dim batch --json PATH`` (``--capacity-batch``)
 capacity-seq       ``swap-pass capacity --dim seq --json PATH`` (``--capacity-seq``)
 =================  ===========================================================================
@@ -32,7 +33,7 @@ capacity-seq       ``swap-pass capacity --dim seq --json PATH`` (``--capacity-se
 
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
-       [--gpu-bench G.json] [--gpu-compile C.json] [--megatron M.json]
+       [--gpu-bench G.json] [--gpu-compile C.json] [--megatron M.json] [--megatron-cpu M.json]
        [--capacity-batch B.json] [--capacity-seq S.json]
 """
 
@@ -187,7 +188,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "smartswap": ("bench", smartswap), "host-stages": ("stages", host_stages),
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
     "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),
-    "megatron": ("megatron", megatron),
+    "megatron": ("megatron", megatron), "megatron-cpu": ("megatron-cpu", megatron),
     "capacity-batch": ("capacity-batch", capacity), "capacity-seq": ("capacity-seq", capacity),
 }
 
@@ -221,9 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     given = {o: getattr(args, o.replace("-", "_")) for o, _ in SECTIONS.values()}
     files = {o: json.loads(path.read_text()) for o, path in given.items() if path is not None}
     if not files:
-        sys.exit("results_page.py: give at least one JSON file (--bench, --stages, "
-                 "--instructions, --graph, --gpu-bench, --gpu-compile, --megatron, "
-                 "--capacity-batch, --capacity-seq).")
+        options = ", ".join(f"--{o}" for o in dict.fromkeys(o for o, _ in SECTIONS.values()))
+        sys.exit(f"results_page.py: give at least one JSON file ({options}).")
     page = Path(args.page)
     page.write_text(regenerate(page.read_text(), files))
 

@@ -13,6 +13,8 @@ Mutations (default: all):
   release_events  host buffers go back to the pool without their last copy's event
                   (wait_h2d, discard, a dropped group, the graph wait, reset)
   abandon_wait    a copy out abandoned by restore() from "d2h" is not waited for by compute
+  death_waits     a graph op's tensor that dies before its wait (a swap_out source, a prefetch
+                  output) no longer orders compute after its copy
 Prints one line per mutation: the pytest summary and whether it failed as it must.
 Exit status: 0 when every mutation failed its tests and ``none`` passed.
 """
@@ -53,6 +55,12 @@ MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
         (ST, "        _wait_on_compute(self._ds or self._streams(), self._event)\n"
              "        self._release_host_buffers(self._event)\n",
          "        self._release_host_buffers(self._event)\n", 1),
+    ],
+    "death_waits": [
+        (OPS, "    if not transfer.ordered:\n        _order_compute_after(transfer)\n",
+         "    return None\n", 1),
+        (OPS, "        del _transfers[key]\n    _order_compute_after(transfer)\n",
+         "        del _transfers[key]\n", 1),
     ],
 }
 DEFAULT_TESTS = ["tests/runtime", "tests/graph/test_ops.py"]

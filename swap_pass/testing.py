@@ -19,9 +19,10 @@ of a CPU device behaves like an accelerator's instead:
 A reader scheduled before its copy completes therefore reads poison and an exactness test
 fails, the same way for a given seed. A queued copy whose source or destination storage was
 freed before it ran is not performed; it is recorded in :attr:`StreamModel.hazards` (on a device
-it would read or write memory the allocator may have handed out again). The queue holds no
-strong reference to what a copy reads or writes: a tensor that dies while its copy is queued
-dies, as it would on a device.
+it would read or write memory the allocator may have handed out again), unless the storage died
+and its allocating stream was ordered after the copy before anything could reuse it (Note:
+[Storages that die with a copy queued]). The queue holds no strong reference to what a copy
+reads or writes: a tensor that dies while its copy is queued dies, as it would on a device.
 
 Note: [Happens-before checker]
 Poison shows a consumer that reads too early, in the order the model happened to run things. The
@@ -35,17 +36,48 @@ counter. The checker records a race, naming both accesses, when
 * a side-stream copy reads or writes a storage that a copy on another stream wrote (or reads a
   storage another copy writes) and the two are not ordered (host buffer reuse across streams
   and devices included: the pool's buffers are storages like any other);
-* a side-stream copy is not ordered after the work its device's current compute stream queued
-  before it: the producer of what it reads, and the allocation of what it writes (the copy's
-  stream must have waited on an event of that compute stream recorded since the compute
-  stream's last action the model saw: a record, a wait, a free, or an event recorded on a side
-  stream, after which compute work may follow). This is stricter than a per-storage stamp of
-  the last compute write and needs no dispatch hook;
+* a side-stream copy is not ordered after the work its thread queued on its device's current
+  compute stream before it: the producer of what it reads, and the allocation of what it writes
+  (the copy's stream must have waited on an event of that compute stream recorded since the
+  calling thread's last action there the model saw: a record, a wait, a free, or an event
+  recorded on a side stream, after which compute work may follow; Note: [Producer waits per
+  thread]). This is stricter than a per-storage stamp of the last compute write and needs no
+  dispatch hook;
 * a storage is freed (``DeviceStreams.free_storage``, i.e. ``resize_(0)``) or dies (its last
   tensor dropped) while a copy that touched it is not ordered before its allocating stream:
   the caching allocator hands a freed block to the next allocation on that stream at once. The
   allocating stream is the compute stream that was current where the storage first met the
-  model.
+  model. A death is judged once its finalizers ran (Note: [Storages that die with a copy
+  queued]).
+
+Note: [Producer waits per thread]
+A device's current stream is per thread, and its default stream is one stream for all threads:
+two threads that each drive their own model both queue work on it. What a thread's copy reads
+was produced by that thread's work, so the producer wait asks for an event recorded after the
+calling thread's last action on its current compute stream (:attr:`ModelStream.marks`), not
+after any thread's: another thread's record or free in between says nothing about this thread's
+data. The clocks stay per stream: a wait of the shared stream orders every thread's later work
+on it, as on a device. A thread's first action marks nothing before it; until then its copies
+must be ordered after all work queued so far.
+
+Note: [Storages that die with a copy queued]
+A storage whose last tensor dies goes back to its allocating stream's pool, and on a device its
+bytes stay as they were until that stream's next allocation takes the block. A copy still queued
+on it is therefore harmless when the allocating stream waits on that copy before queueing any
+more work: in practice, from a finalizer of the dying storage (the graph path's ``swap_out`` and
+``prefetch`` register one), which runs before control returns to code that could queue work. The
+model registers its own finalizer when it first meets a storage, and CPython runs a dying
+object's weakref callbacks newest first, so the model judges the death after every finalizer
+registered later (the library's): any queued copy of the storage must then be ordered before
+the allocating stream, or it is a race. A wait issued after the death returned is too late. On
+CPU the bytes are gone at the death, so a copy that runs inside the death (the finalizer's wait
+completes it) is not performed: it counts in :attr:`StreamModel.copies_on_dead_blocks` when the
+allocating stream was ordered after it by the end of the death (a destination it should have
+filled keeps its poison), and is a hazard otherwise. A finalizer registered before the model met
+the storage runs after the model's judgement; its wait would not count. A host pool buffer that
+dies with a copy queued is neither a race nor a hazard (the caching host allocator hands a pinned
+block out again only after the copies that used it completed); that copy is not performed and
+counts in ``copies_on_dead_blocks`` too.
 
 Several fake devices (:meth:`StreamModel.device`), each with a compute stream and two side
 streams, share the one host pool, as several accelerators of one process do. The compute stream
@@ -144,6 +176,8 @@ class _Copy:
     src: _Side
     what: str  # how races and hazards name it
     then: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    stream: ModelStream | None = None  # the side stream it was queued on, and its counter there
+    counter: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +207,9 @@ class ModelStream:
         self.index = len(model._all_streams)
         model._all_streams.append(self)
         self.clock: dict[int, int] = {self.index: 0}  # the vector clock
+        # Compute streams: per thread, this stream's counter at that thread's last action (see
+        # Note: [Producer waits per thread]).
+        self.marks: dict[int, int] = {}
         self.queue: deque[_Copy] = deque()
         self.issued = 0  # copies ever queued
         self.done = 0  # copies ever completed
@@ -189,6 +226,16 @@ class ModelStream:
         self.clock[self.index] += 1
         return self.clock[self.index]
 
+    def act(self) -> None:
+        """An action of the calling thread on this compute stream: tick, and mark it the
+        thread's last (Note: [Producer waits per thread])."""
+        self.marks[threading.get_ident()] = self.tick()
+
+    def last_action(self) -> int:
+        """The counter of the calling thread's last action here; before its first one, this
+        stream's counter (all work queued so far may be the thread's producer)."""
+        return self.marks.get(threading.get_ident(), self.now)
+
     def has_seen(self, other: ModelStream, counter: int) -> bool:
         """Whether this stream is ordered after ``other``'s work up to ``counter``."""
         return other is self or self.clock.get(other.index, 0) >= counter
@@ -204,7 +251,7 @@ class ModelStream:
             self.model.run_until(event.stream, event.position)
             self.merge(event.clock)
             if self.is_compute:
-                self.tick()
+                self.act()
 
     def synchronize(self) -> None:
         """Complete every copy queued on this stream (a host synchronize)."""
@@ -218,7 +265,7 @@ class ModelStream:
     def record(self) -> dict[int, int]:
         """The clock an event recorded now carries (a compute stream ticks first)."""
         if self.is_compute:
-            self.tick()
+            self.act()
         else:
             self.model.side_event_recorded(self)
         return dict(self.clock)
@@ -315,6 +362,10 @@ class StreamModel:
         races: Descriptions of unordered accesses (see Note: [Happens-before checker]).
         copies_queued: Copies issued on a side stream (the rest ran at once).
         copies_run_early: Queued copies completed at a random point, before anyone waited.
+        copies_on_dead_blocks: Queued copies not performed, and not hazards, because a storage
+            of theirs died where a device would still hold its bytes: it was dying when they
+            ran and its allocating stream was ordered after them by the end of that death, or
+            it was a host pool buffer (see Note: [Storages that die with a copy queued]).
     """
 
     def __init__(self, seed: int = 0, early_probability: float = 0.25) -> None:
@@ -329,6 +380,7 @@ class StreamModel:
         self.races: list[str] = []
         self.copies_queued = 0
         self.copies_run_early = 0
+        self.copies_on_dead_blocks = 0
         self._copies = 0
         # Per storage key: the latest access of each (stream, write) pair; the allocating stream;
         # the finalizer that checks the storage's death.
@@ -338,6 +390,8 @@ class StreamModel:
         # Storages of the host pool's buffers: their death is never a race (a pinned block is
         # reused only after the copies that used it completed; a pageable copy is synchronous).
         self._host_keys: set[int] = set()
+        # Per storage key whose death is in progress: the queued copies that ran meanwhile.
+        self._dying: dict[int, list[_Copy]] = {}
 
     # --- devices and streams ----------------------------------------------------------------
 
@@ -481,27 +535,29 @@ class StreamModel:
 
     def side_event_recorded(self, stream: ModelStream) -> None:
         """A side stream's copies are done being issued: compute work may follow."""
-        self.current_stream(stream.device).tick()
+        self.current_stream(stream.device).act()
 
     def freed(self, storage: torch.UntypedStorage, by: ModelStream) -> None:
         """``storage`` is freed in place now, on the compute stream ``by``."""
         with self.lock:
             key = storage._cdata
             self._check_release(key, self._owner.get(key, by), "freed (resize_(0))")
-            by.tick()
+            by.act()
 
     def _race(self, first: str, second: str, why: str) -> None:
         self.races.append(f"{second} is not ordered after {first}: {why}")
 
     def _check_copy(self, stream: ModelStream, c: _Copy) -> None:
         compute = self.current_stream(stream.device)
-        if not stream.is_compute and not stream.has_seen(compute, compute.now):
-            self._race(f"the work the {compute.name} stream queued before it (position "
-                       f"{compute.now}: the producer of its source, the allocation of its "
+        last = compute.last_action()
+        if not stream.is_compute and not stream.has_seen(compute, last):
+            self._race(f"the work this thread queued on the {compute.name} stream before it "
+                       f"(position {last}: the producer of its source, the allocation of its "
                        "destination)", c.what,
                        f"the last {compute.name} event the {stream.name} stream waited on is at "
                        f"{stream.clock.get(compute.index, 0)}; a producer wait is missing")
         counter = stream.tick() if not stream.is_compute else stream.now + 1
+        c.stream, c.counter = stream, counter
         for side, write in ((c.src, False), (c.dst, True)):
             self._access(side, _Access(stream, counter, write,
                                        f"the {'write' if write else 'read'} of {c.what}"), compute)
@@ -535,11 +591,19 @@ class StreamModel:
             fin.detach()
 
     def _died(self, key: int) -> None:
+        """The storage ``key`` died: its block goes back to its allocating stream's pool (Note:
+        [Storages that die with a copy queued])."""
         with self.lock:
             self._finalizers.pop(key, None)
             owner = self._owner.get(key)
             if owner is not None:
                 self._check_release(key, owner, "died (its last tensor dropped)")
+            for c in self._dying.pop(key, ()):
+                if owner is not None and owner.has_seen(c.stream, c.counter):
+                    self.copies_on_dead_blocks += 1
+                else:
+                    self.hazards.append(f"{c.what} ran after a storage of it died, before its "
+                                        "allocating stream waited for it")
 
     def host_buffer_allocated(self, buf: torch.Tensor) -> None:
         """The host pool made ``buf``: a host buffer, not device memory."""
@@ -555,8 +619,20 @@ class StreamModel:
             self._accesses.clear()
             self._owner.clear()
             self._host_keys.clear()
+            self._dying.clear()
 
     # --- internals --------------------------------------------------------------------------
+
+    def _is_dying(self, side: _Side) -> bool:
+        """Whether ``side``'s storage is dying now: its weak references are cleared, and the
+        finalizers of that death (this model's is the last of them) are running."""
+        fin = self._finalizers.get(side.key)
+        return fin is not None and fin.alive and side.storage() is None
+
+    def _is_dead_host_buffer(self, side: _Side) -> bool:
+        """Whether ``side`` is a host pool buffer that died (as a pinned block on a device, it
+        is handed out again only once the copies that used it completed)."""
+        return side.key in self._host_keys and side.storage() is None
 
     def _side_streams(self) -> list[ModelStream]:
         return [s for s in self._all_streams if not s.is_compute]
@@ -571,14 +647,29 @@ class StreamModel:
 
     def _run(self, c: _Copy, stream: ModelStream) -> None:
         dst, src = c.dst.tensor(), c.src.tensor()
-        bad = [n for n, t in (("source", src), ("destination", dst)) if t is None]
-        if bad:
-            self.hazards.append(f"{c.what} ran after its {' and '.join(bad)} storage was freed")
-        else:
+        if dst is not None and src is not None:
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 dst.copy_(src)
+        else:
+            self._not_performed(c, [(n, side) for n, side, t in (("source", c.src, src),
+                                                                 ("destination", c.dst, dst))
+                                    if t is None])
         for fn in c.then:
             fn()
+
+    def _not_performed(self, c: _Copy, gone: list[tuple[str, _Side]]) -> None:
+        """``c`` cannot run: the storages ``gone`` (name, side) died or were freed in place. See
+        Note: [Storages that die with a copy queued]."""
+        freed = [n for n, side in gone
+                 if not self._is_dying(side) and not self._is_dead_host_buffer(side)]
+        if freed:
+            self.hazards.append(f"{c.what} ran after its {' and '.join(freed)} storage was freed")
+            return
+        dying = [side.key for _, side in gone if self._is_dying(side)]
+        for key in dying:  # judged when the death ends: see _died
+            self._dying.setdefault(key, []).append(c)
+        if not dying:  # host buffers only: a pinned block waits for the copies that used it
+            self.copies_on_dead_blocks += 1
 
 
 _active_lock = threading.Lock()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 
 import torch
 from torch import fx
@@ -147,13 +148,34 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
         pairs.append((layers[-1], None))
     picked = []
     for layer, nxt in pairs:
-        nbytes = _swappable_bytes(layer.input, saved, user_outputs, config)
+        x = _saved_base(layer.input, saved)
+        nbytes = _swappable_bytes(x, saved, user_outputs, config)
         if nbytes is None:
             continue
         anchor = [nxt.input] if nxt is not None and nxt.input is not None else []
-        picked.append(_Planned(layer.input, layer.boundary.fqn, nbytes, anchor,
+        picked.append(_Planned(x, layer.boundary.fqn, nbytes, anchor,
                                next_layer=nxt.boundary.fqn if nxt is not None else None))
     return picked, layers
+
+
+def _saved_base(x: fx.Node | None, saved: set) -> fx.Node | None:
+    """``x``, or, when the layer reads its input through views the partitioner did not save, the
+    saved tensor they view whole (same number of elements; ``_unsafe_view``, a matmul's reshape,
+    counts as a view): a classic tensor-parallel plan's first layer reads
+    ``view(wait_tensor(all_reduce(...)))``, and the wait's result is saved."""
+    node = x
+    while (node is not None and node not in saved and node.op == "call_function"
+           and node.target is not operator.getitem
+           and (_is_view_op(node) or node.target is torch.ops.aten._unsafe_view.default)
+           and node.args and isinstance(node.args[0], fx.Node)
+           and _numel(node.args[0]) == _numel(node) is not None):
+        node = node.args[0]
+    return node if node is not None and node in saved else x
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = _tensor_val(node)
+    return val.numel() if val is not None and _static(val.shape) else None
 
 
 # Note: [Layers across graph breaks]
@@ -385,9 +407,10 @@ def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) 
         return f"layer_filter={layer_filter!r} matches none of its modules", nbytes
     if not layers:
         return ("it holds no family of repeated layer blocks. If a graph break inside the layer "
-                "loop gave each layer a graph of its own, use swap_pass.compile_layers(model), "
-                "which swaps between layers outside the compiled regions, or remove the break; "
-                "else name the layers with layer_filter"), nbytes
+                "loop gave each layer a graph of its own (FSDP2's fully_shard does: Dynamo runs "
+                "its hooks eagerly, so each fully_shard block compiles on its own), use "
+                "swap_pass.compile_layers(model), which swaps between layers outside the compiled "
+                "regions, or remove the break; else name the layers with layer_filter"), nbytes
     if len(layers) == 1:
         return (f"it holds one layer ({layers[0].boundary.fqn}), the model's last, whose input "
                 "backward needs at once"), nbytes

@@ -69,6 +69,7 @@ class _Transfer:
     device: torch.device
     use_streams: bool
     release: torch.Tensor | None = None
+    ordered: bool = False  # a compute stream waited on event: Note: [Sources that die unwaited]
 
 
 _lock = threading.RLock()  # finalizers may run during GC inside a locked section
@@ -148,13 +149,20 @@ def _output_died(key: int, transfer: _Transfer) -> None:
         host_pool().release_when_unread(transfer.release, transfer.event)  # lock-free
 
 
-def _source_died_unwaited(key: int, transfer: _Transfer) -> None:
-    """A swapped-out tensor died before its ``wait`` (an exception later in the forward, a
-    refused host buffer): order its allocating stream after the copy that may still read it."""
-    with _lock:
-        if _transfers.get(key) is not transfer:
-            return  # waited for already: the compute stream is ordered after the copy
-    _order_compute_after(transfer)
+# Note: [Sources that die unwaited]
+# A swapped-out tensor can die before its ``wait`` (an exception later in the forward, a refused
+# host buffer): its block goes back to the compute stream's pool while the copy out may still
+# read it, so the finalizer on its storage orders the compute stream after the copy, unless a
+# wait did already. It asks the transfer (``ordered``), not the registry: the host copy may have
+# died first (the locals of an aborted graph die in any order), which takes the transfer out of
+# the registry but orders nothing.
+
+
+def _source_died_unwaited(transfer: _Transfer) -> None:
+    """A swapped-out tensor died before its ``wait``: order its allocating stream after the copy
+    that may still read it (Note: [Sources that die unwaited])."""
+    if not transfer.ordered:
+        _order_compute_after(transfer)
 
 
 def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
@@ -173,6 +181,7 @@ def _order_compute_after(transfer: _Transfer) -> None:
     next allocation at once."""
     ds = device_streams(transfer.device, transfer.use_streams)
     ds.wait(ds.compute_stream(), transfer.event)
+    transfer.ordered = True
 
 
 @register_reset_hook
@@ -250,7 +259,7 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     transfer = _Transfer(ds.record_event(stream), x.device, use_streams)
     with _lock:
         _transfers[host.data_ptr()] = transfer
-    weakref.finalize(x.untyped_storage(), _source_died_unwaited, host.data_ptr(), transfer)
+    weakref.finalize(x.untyped_storage(), _source_died_unwaited, transfer)
     _track_host_buffer(buf)
     stats.record_swap_out(_nbytes(x))
     return host
@@ -337,8 +346,7 @@ def _wait_for(t: torch.Tensor) -> None:
         transfer = _transfers.pop(t.data_ptr(), None)
     if transfer is None:  # already waited for (or a synchronous CPU copy waited by swap_in)
         return
-    ds = device_streams(transfer.device, transfer.use_streams)
-    ds.wait(ds.compute_stream(), transfer.event)
+    _order_compute_after(transfer)
     if transfer.release is not None:  # a retained graph may read it again; the copy's event
         host_pool().release_when_unread(transfer.release, transfer.event)  # goes with it
 

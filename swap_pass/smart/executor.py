@@ -63,7 +63,7 @@ from swap_pass.smart.saved_handles import (
     alias_of,
     check_version,
 )
-from swap_pass.smart.saved_local import local_of, storage_nbytes
+from swap_pass.smart.saved_local import local_of, storage_nbytes, wait_collective
 
 # Re-exported: the reports, the matcher and the bandwidth probe lived here before.
 __all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
@@ -352,6 +352,7 @@ class SmartExecutor:
         if slot is None or slot.group is not None:
             slot = self._new_slot(storage, swap)
         slot.swap = slot.swap or swap
+        wait_collective(t)  # Note: [Saved AsyncCollectiveTensors] in saved_local.py
         alias = alias_of(t)  # a DTensor's detach() is a DTensor over a new local alias
         slot.aliases.append(local_of(alias))
         unit = self.unit

@@ -18,7 +18,7 @@ from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import DetailedProfile
 from swap_pass.smart.reports import MicroBatchReport
-from swap_pass.smart.saved_local import is_dtensor
+from swap_pass.smart.saved_local import completed_alias, is_dtensor
 
 __all__ = ["Handle", "MicroBatch", "Slot", "alias_of", "check_version", "data_version"]
 
@@ -86,8 +86,10 @@ class MicroBatch:
 
 
 def alias_of(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor over ``t``'s storage that shares its version counter but not its lifetime."""
-    return t.detach()
+    """A new tensor over ``t``'s storage that shares its version counter but not its lifetime
+    (a waited ``AsyncCollectiveTensor``'s alias is marked waited too, see Note: [Saved
+    AsyncCollectiveTensors] in saved_local.py)."""
+    return completed_alias(t)
 
 
 def data_version(t: torch.Tensor) -> int:

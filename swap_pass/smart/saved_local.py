@@ -6,10 +6,14 @@ storage; what autograd saves may be something else:
 * a ``DTensor`` (tensor parallel activations, FSDP2 and TP parameters): a wrapper whose data is
   its ``._local_tensor``, a plain tensor on this rank. SmartSwap swaps that local tensor and
   hands autograd the wrapper back (see Note: [Saved DTensors]);
+* an ``AsyncCollectiveTensor`` (a collective's result, what a classic tensor-parallel plan's
+  ``to_local()`` gives), also as a ``DTensor``'s local tensor: a wrapper whose data is ``.elem``.
+  SmartSwap waits for it on the compute stream when it is saved, then swaps ``.elem`` (see
+  Note: [Saved AsyncCollectiveTensors]);
 * sparse (COO, CSR, ...), nested (strided or jagged) and meta tensors: no single plain storage
   (``untyped_storage()`` raises or names only part of the data): kept, ``no_storage``;
-* any other tensor subclass (a quantized weight, ``TwoTensor``, an ``AsyncCollectiveTensor``
-  not yet waited for): its data cannot be reached as one plain tensor: kept, ``subclass``.
+* any other tensor subclass (a quantized weight, ``TwoTensor``): its data cannot be reached as
+  one plain tensor: kept, ``subclass``.
 
 This is decided from the tensor's type and layout alone, before anything reads a storage.
 
@@ -21,6 +25,23 @@ Note: [Saved DTensors]
     the forward made holds it), and once the forward let the wrapper go, only our alias is left.
     Parameters that are ``DTensor`` s (FSDP2 shards, TP weights) are recognized through their
     local tensors' storages: they are model state and never move.
+
+Note: [Saved AsyncCollectiveTensors]
+    A classic tensor-parallel plan (``RowwiseParallel()`` with its default ``use_local_output``)
+    hands the next module an ``AsyncCollectiveTensor``: the output of a collective not waited
+    for yet, whose first non-view op waits (``trigger_wait()``: ``wait_tensor`` on the current
+    stream, once). An op that saves it saves the wrapper. The pack hook runs right before that
+    op's kernel, which would wait anyway; so SmartSwap's pack waits then, on the compute stream
+    (the current one, where the op's own wait would go), before anything reads or copies
+    ``.elem``: a copy to the host is ordered after the collective (on an accelerator, the copy
+    stream waits on an event the compute stream records after the wait). Autograd gets back
+    ``t.detach()``: an ``AsyncCollectiveTensor`` over a new alias of the same ``.elem`` storage
+    (a view op, which does not wait), marked completed as ``t`` is, so its readers in backward
+    read the restored storage and wait for nothing. The same holds one level down, for a
+    ``DTensor`` whose local tensor is an ``AsyncCollectiveTensor``. This is the eager path's
+    rule for layer inputs (Note: [Swapping through the local tensor] in
+    ``swap_pass/runtime/subclasses.py``); ``tests/smart/test_distributed.py`` (``tp-classic``)
+    checks that saved ones are freed and the training is bitwise exact.
 """
 
 from __future__ import annotations
@@ -31,7 +52,8 @@ import torch
 
 from swap_pass.runtime.skips import SkipReason
 
-__all__ = ["is_dtensor", "local_of", "state_tensors_local", "storage_nbytes"]
+__all__ = ["completed_alias", "is_async_collective", "is_dtensor", "local_of",
+           "state_tensors_local", "storage_nbytes", "wait_collective"]
 
 
 def _dtensor_type() -> type | None:
@@ -47,6 +69,47 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def _async_collective_type() -> type | None:
+    """``AsyncCollectiveTensor``'s class once functional collectives are imported; else None."""
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    return getattr(module, "AsyncCollectiveTensor", None) if module is not None else None
+
+
+def is_async_collective(t: torch.Tensor) -> bool:
+    """True for an ``AsyncCollectiveTensor`` (a functional collective's result)."""
+    cls = _async_collective_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def _collective_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The ``AsyncCollectiveTensor`` holding ``t``'s data: ``t``, or a ``DTensor``'s local one."""
+    if type(t) is torch.Tensor:  # the common case, before the subclass lookups
+        return None
+    if is_dtensor(t):
+        t = t._local_tensor
+    return t if is_async_collective(t) else None
+
+
+def wait_collective(t: torch.Tensor) -> None:
+    """Wait for the collective behind ``t`` (an ``AsyncCollectiveTensor``, or a ``DTensor``
+    over one) on the current stream, as its first reader would; nothing for other tensors.
+    See Note: [Saved AsyncCollectiveTensors]."""
+    act = _collective_of(t)
+    if act is not None:
+        act.trigger_wait()
+
+
+def completed_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, with the ``AsyncCollectiveTensor`` in it (``t`` itself or a ``DTensor``'s
+    local tensor) marked completed when ``t``'s is: the alias of a waited result waits for
+    nothing again."""
+    alias = t.detach()
+    act, alias_act = _collective_of(t), _collective_of(alias)
+    if act is not None and alias_act is not None and act.completed:
+        alias_act.completed = True
+    return alias
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor | SkipReason:
     if t.layout != torch.strided or t.is_nested or t.is_meta:
         return SkipReason.NO_STORAGE
@@ -58,18 +121,21 @@ def local_of(t: torch.Tensor) -> torch.Tensor | SkipReason:
 
     Returns:
         ``t`` itself for a plain tensor (a ``nn.Parameter`` too), ``t._local_tensor`` for a
-        ``DTensor`` over a plain local tensor; otherwise :attr:`SkipReason.NO_STORAGE` (sparse,
-        nested, meta) or :attr:`SkipReason.SUBCLASS` (any other tensor subclass).
+        ``DTensor`` over a plain local tensor, ``.elem`` for an ``AsyncCollectiveTensor`` (also
+        as a ``DTensor``'s local tensor; whoever reads its data calls :func:`wait_collective`
+        first); otherwise :attr:`SkipReason.NO_STORAGE` (sparse, nested, meta) or
+        :attr:`SkipReason.SUBCLASS` (any other tensor subclass).
     """
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return _plain(t)
     if t.is_nested or t.layout != torch.strided:  # jagged nested tensors are a subclass too
         return SkipReason.NO_STORAGE
-    if is_dtensor(t):
-        local = t._local_tensor
-        if type(local) is torch.Tensor or type(local) is torch.nn.Parameter:
-            return _plain(local)
+    local = t._local_tensor if is_dtensor(t) else t
+    if is_async_collective(local):
+        local = local.elem
+    if local is not t and (type(local) is torch.Tensor or type(local) is torch.nn.Parameter):
+        return _plain(local)
     return SkipReason.SUBCLASS
 
 

@@ -133,6 +133,19 @@ def test_the_megatron_rows_of_a_gpu_run(page_tool):
     assert page_tool.megatron(skipped)[0].endswith(": needs CUDA.")
 
 
+def test_the_cpu_megatron_rows_have_their_own_section_and_option(page_tool, tmp_path):
+    row = {"method": "recompute", "status": "ok", "peak_bytes": 1 << 20, "memory_ratio": 0.5,
+           "step_s": 0.1, "time_ratio": 1.0, "swapped_out_bytes": 0, "exact": True,
+           "exact_vs": "none"}
+    (tmp_path / "m.json").write_text(json.dumps(
+        {**_bench_json(), "extra": {"megatron": {"status": "ok", "rows": [row]}}}))
+    page = tmp_path / "results.md"
+    page.write_text(PAGE + "<!-- results_page: megatron-cpu -->\n"
+                    "<!-- /results_page: megatron-cpu -->\n")
+    page_tool.main(["--page", str(page), "--megatron-cpu", str(tmp_path / "m.json")])
+    assert "| recompute | 1.00 | 0.50x | 100.0 | 1.00x | 0.00 | yes (vs none) |" in page.read_text()
+
+
 def test_the_graph_rows_give_the_cut_in_mib_and_in_layer_inputs(page_tool):
     meta = {**_bench_json()["meta"], "layers": 4, "hidden": 64, "batch": 8, "seq": 512,
             "inner": "inductor"}

@@ -26,6 +26,13 @@ SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false",
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
 # swap: in their own process pair (compiling takes most of a minute per setup on 2 cores).
 COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
+# The whole model (the DDP module for DDP) compiled with torch.compile(model,
+# backend=make_swap_backend("aot_eager")) in layer-input mode ("-compile-model") and budget mode
+# ("-compile-budget"), against the same whole-model compile with the plain aot_eager backend:
+# their own process pair.
+MODEL_COMPILE_SETUPS = ["ddp-compile-model", "fsdp2-compile-model", "fsdp2-compile-budget",
+                        "tp-sp-compile-model", "tp-sp-compile-budget", "tp-classic-compile-model"]
+MODEL_COMPILE_BUDGET = 0.5
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
 
 
@@ -48,7 +55,7 @@ def _wrap(setup: str, model, mesh):
 
     from tests.distributed import models as m
     if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
-        m.apply_tp(model, mesh, "classic" if setup == "tp-classic" else "sp")
+        m.apply_tp(model, mesh, "classic" if setup.startswith("tp-classic") else "sp")
     if setup.endswith("-ac"):
         for idx, block in enumerate(model.layers):
             model.layers[idx] = checkpoint_wrapper(block)
@@ -81,6 +88,35 @@ def _watch_inputs(inner):
     return hooks, freed
 
 
+def _compile_model(setup: str, model, swap: bool):
+    """``model`` compiled whole: with ``make_swap_backend("aot_eager")`` (budget mode for a
+    ``"-compile-budget"`` setup, a cost model in which every copy hides) if ``swap``, else with
+    the plain ``aot_eager`` backend."""
+    import torch._dynamo
+
+    from swap_pass.graph.backend import make_swap_backend
+    from swap_pass.graph.budget import CostModel
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
+    knobs = {}
+    if setup.endswith("compile-budget"):  # every copy hides: the choice goes by bytes alone
+        knobs = {"memory_budget": MODEL_COMPILE_BUDGET,
+                 "cost_model": CostModel(copy_bytes_per_s=1e12, flops_per_s=1e12)}
+    backend = make_swap_backend("aot_eager", **knobs) if swap else "aot_eager"
+    return torch.compile(model, backend=backend), backend
+
+
+def _graphs(backend) -> dict:
+    """What Dynamo and the swap backend made: graphs, breaks, and per rewritten partition its
+    mode, swapped tensors and bytes."""
+    from torch._dynamo.utils import counters
+    parts = getattr(backend, "partitions", ())
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+            "partitions": [[p.mode, len(p.swapped), sum(s.nbytes for s in p.swapped)]
+                           for p in parts]}
+
+
 def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     import swap_pass
     from tests.distributed import models as m
@@ -88,7 +124,8 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     inner = m.TinyTitan()
     handle = None
     compiled = setup.endswith("compile-layers")  # regional compile: swap_pass.compile_layers
-    if swap and not compiled and setup not in ("ddp-after", "docs-recipe"):
+    whole = setup in MODEL_COMPILE_SETUPS  # torch.compile(model), the swap inside the graphs
+    if swap and not (compiled or whole) and setup not in ("ddp-after", "docs-recipe"):
         handle = swap_pass.enable_swap_layer_input(inner)
     model = _wrap(setup, inner, mesh)
     if swap and setup == "ddp-after":
@@ -103,21 +140,28 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
         from swap_pass.graph.regional import compile_layers
         torch._dynamo.reset()
         handle = compile_layers(inner, backend="aot_eager", swap=swap).swap
+    if whole:
+        model, backend = _compile_model(setup, model, swap)
     same_data = setup.startswith("tp") or setup == "docs-recipe"  # TP ranks share the batch
     seeds = [step if same_data else 100 * step + rank for step in range(STEPS)]
-    return train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of)
+    rec = train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of,
+                      watch=not whole)
+    if whole:
+        rec["compiled"] = _graphs(backend)
+    return rec
 
 
-def train_steps(model, inner, handle, batches: list, loss_fn) -> dict:
+def train_steps(model, inner, handle, batches: list, loss_fn, *, watch: bool = True) -> dict:
     """One optimizer step per batch of ``(tokens, labels)``; what :func:`compare` reads.
 
-    ``inner`` is the model whose ``layers`` and ``norm`` are watched and whose parameters are
-    compared (the module inside a DDP wrapper); ``handle`` is the swap handle, or None.
+    ``inner`` is the model whose ``layers`` and ``norm`` are watched (unless not ``watch``: a
+    model compiled whole, whose hooks Dynamo would trace) and whose parameters are compared
+    (the module inside a DDP wrapper); ``handle`` is the swap handle, or None.
     """
     import swap_pass
     from tests.distributed import models as m
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hooks, freed = _watch_inputs(inner)
+    hooks, freed = _watch_inputs(inner) if watch else ([], [None])
     rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -158,7 +202,7 @@ def compare(ref: dict, got: dict) -> dict:
         "ref_outs": ref["outs"][-1], "outs": got["outs"], "freed": got["freed"],
         "released": got["released"], "swapped_in": got["swapped_in"], "skipped": got["skipped"],
         "clean": got["clean"], "intact": got["intact"] and ref["intact"],
-        "warnings": got["warnings"],
+        "warnings": got["warnings"], "compiled": got.get("compiled"),
     }
 
 
@@ -179,7 +223,16 @@ def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> No
     init(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
-    run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, mesh, swap))
+    refs: dict[str, dict] = {}
+
+    def train(setup: str, swap: bool) -> dict:
+        if swap or setup not in MODEL_COMPILE_SETUPS:
+            return _train(setup, rank, mesh, swap)
+        key = setup.rsplit("-compile-", 1)[0]  # both modes share the plain aot_eager compile
+        if key not in refs:
+            refs[key] = _train(setup, rank, mesh, swap)
+        return refs[key]
+    run_setups(rank, out_dir, setups, train)
 
 
 def init(rank: int, world: int, port: int) -> None:

@@ -260,12 +260,11 @@ def test_forward_without_backward_and_no_grad_leave_nothing():
     assert swap_pass.swap_stats().swap_outs == before  # inference graph: nothing saved, no swap
 
 
-# Not under the stream model: the refused host buffer raises mid-forward, and the first layer's
-# swapped-out input dies before its wait. swap_out's finalizer then makes the compute stream wait
-# on the copy, which is what an accelerator's allocator needs (it hands the freed block only to
-# work queued after that wait); the model frees a dying storage at once and reports the copy.
-@pytest.mark.no_stream_model
 def test_host_cap_applies_to_the_compiled_path():
+    """The refused host buffer raises mid-forward; the first layer's swapped-out input dies
+    before its wait, its copy out still queued. Under the stream model swap_out's finalizer must
+    order the compute stream after that copy before the death returns (Note: [Storages that die
+    with a copy queued] in swap_pass/testing.py)."""
     model = tiny_model(L, recompute=True)
     torch._dynamo.reset()
     backend = make_swap_backend("aot_eager", config=SwapConfig(max_host_bytes=1024))
@@ -309,3 +308,32 @@ def test_callable_inner_may_return_boxed_or_plain_functions(boxed):
     _, _, grads = _train(tiny_model(L, recompute=True), backend)
     assert _targets(backend.partitions[-1].forward).count(OPS.swap_out.default) == L - 1
     _assert_like_aot_eager(grads)
+
+
+class _ViewedEmbedding(torch.nn.Embedding):
+    """An embedding whose output the next layer reads through a view (as a classic TP plan's
+    first layer reads ``view(wait_tensor(all_reduce(...)))``)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = super().forward(ids)
+        h = h @ torch.eye(h.shape[-1], dtype=h.dtype)  # a matmul: saved, never recomputed
+        return h.view(h.shape)
+
+
+def test_a_layer_input_read_through_a_view_swaps_the_saved_tensor_it_views():
+    model = tiny_model(L)
+    viewed = _ViewedEmbedding(*model.embed.weight.shape)
+    viewed.weight = model.embed.weight
+    model.embed = viewed
+    ref = twin(model)
+    backend = make_swap_backend("aot_eager")
+    swap_pass.reset()
+    _, losses, grads = _train(model, backend, steps=2)
+    _, ref_losses, ref_grads = _train(ref, "aot_eager", steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    for step_grads, step_ref in zip(grads, ref_grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(step_grads, step_ref, strict=True))
+    partition = backend.partitions[-1]
+    assert [s.layer for s in partition.swapped] == [f"layers.{i}" for i in range(L - 1)]
+    assert partition.swapped[0].name == "mm"  # the tensor the layer's input views, not the view
+    assert swap_pass.swap_stats().host_bytes_in_use == 0

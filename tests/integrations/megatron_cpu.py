@@ -7,7 +7,10 @@ single forward/backward; each shim below points one of them at the CPU:
   CPU generator instead, so dropout under full recompute replays exactly;
 * ``torch.cuda.current_device()`` places scratch buffers (attention, RoPE, p2p shapes);
 * the pipeline schedules count tokens in a ``device="cuda"`` tensor and p2p calls
-  ``torch.cuda.synchronize()``.
+  ``torch.cuda.synchronize()``;
+* sequence parallel needs a layer norm that tags its parameters ``sequence_parallel`` (apex's
+  ``FusedLayerNorm`` or Transformer Engine's; the local spec's ``WrappedTorchNorm`` refuses
+  sequence parallel): :class:`SequenceParallelNorm` is that norm on the CPU.
 
 Everything else is Megatron's real code: the local (non-Transformer-Engine) layer spec, its
 ``CheckpointFunction`` for full recompute, its selective recompute, its 1F1B and interleaved
@@ -74,8 +77,9 @@ def cpu_shims() -> Iterator[None]:
         yield
 
 
-def init_parallel(pp: int = 1, vp: int | None = None) -> None:
-    """One gloo process group (single rank unless torchrun started more) and Megatron's groups."""
+def init_parallel(pp: int = 1, vp: int | None = None, tp: int = 1) -> None:
+    """One gloo process group (single rank unless torchrun started more) and Megatron's groups:
+    ``tp``-way tensor parallel, ``pp`` pipeline stages, ``vp`` virtual stages per rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -89,7 +93,7 @@ def init_parallel(pp: int = 1, vp: int | None = None) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp)
 
 
@@ -128,9 +132,53 @@ def make_config(num_layers: int = 4, recompute: str = "none", method: str | None
     return TransformerConfig(**kw)
 
 
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """A layer norm with the constructor of Megatron's ``FusedLayerNorm``, in plain torch.
+
+    Under sequence parallel each rank normalizes its own sequence shard, so the weight and bias
+    gradients are partial sums: like ``FusedLayerNorm``, the parameters carry
+    ``sequence_parallel=True`` and Megatron's ``finalize_model_grads`` (or
+    :func:`allreduce_sequence_parallel_grads`) sums them over the tensor-parallel group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+
+
+def sequence_parallel_spec(config):
+    """The local GPT layer spec for every layer, with :class:`SequenceParallelNorm` as its two
+    norms and the block's final norm (a ``TransformerBlockSubmodules`` for ``GPTModel``)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec()
+    submodules = dataclasses.replace(layer.submodules, input_layernorm=SequenceParallelNorm,
+                                     pre_mlp_layernorm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[dataclasses.replace(layer, submodules=submodules)] * config.num_layers,
+        layer_norm=SequenceParallelNorm)
+
+
+def allreduce_sequence_parallel_grads(model) -> None:
+    """Sum the ``sequence_parallel`` parameters' gradients over the tensor-parallel group with
+    Megatron's own step of ``finalize_model_grads`` (which reads the chunk's ``ddp_config``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
+
+    if not hasattr(model, "ddp_config"):
+        model.ddp_config = DistributedDataParallelConfig()
+    _allreduce_non_tensor_model_parallel_grads([model], model.config)
+
+
 def make_gpt(config, seed: int = 1234, pre_process: bool = True, post_process: bool = True,
-             vp_stage: int | None = None):
-    """A GPTModel with the local layer spec, same weights for the same seed."""
+             vp_stage: int | None = None, spec=None):
+    """A GPTModel with the local layer spec (or ``spec``), same weights for the same seed."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -138,7 +186,8 @@ def make_gpt(config, seed: int = 1234, pre_process: bool = True, post_process: b
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     kw = {} if vp_stage is None else {"vp_stage": vp_stage}
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec() if spec is None else spec
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre_process,
                     post_process=post_process, position_embedding_type="rope", **kw)
 

@@ -1,7 +1,8 @@
 """torchtitan's ``parallelize_llama`` on 2 gloo ranks (CPU): FSDP (``dp_shard=2``) and tensor +
 sequence parallel (``tp=2``, DTensor activations between blocks), tensor parallel also with
 torchtitan's full activation checkpointing; one spawned process pair for every setup
-(``torchtitan_dist_worker.SETUPS``).
+(``torchtitan_dist_worker.SETUPS``), one more for SmartSwap on ``dp_shard=2`` and ``tp=2``
+(``torchtitan_dist_worker.SMART_SETUPS``, the checks of ``tests/smart/test_distributed.py``).
 
 Per rank: three optimizer steps exact (losses, every gradient, every parameter after the last
 step, ``torch.equal`` on local shards), every block's input but the last off the device at the
@@ -23,6 +24,7 @@ pytest.importorskip("torchtitan.models.llama3",
 from tests.distributed import dist_worker  # noqa: E402
 from tests.distributed.spawn import spawn_ranks  # noqa: E402
 from tests.integrations import torchtitan_dist_worker as worker  # noqa: E402
+from tests.smart.test_distributed import check as check_smart  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 DIM = 256  # the debug model's
@@ -51,3 +53,23 @@ def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)
+
+
+@pytest.fixture(scope="module")
+def smart_reports(tmp_path_factory) -> list[dict]:
+    ranks = spawn_ranks(worker.run_smart, 2, tmp_path_factory.mktemp("titan_smart"),
+                        worker.SMART_SETUPS, seconds=600)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+    return ranks
+
+
+@pytest.mark.parametrize("setup", worker.SMART_SETUPS)
+def test_parallelize_llama_under_smartswap_exact_within_budget_on_every_rank(smart_reports, setup):
+    # tp=2: SmartSwap's profile counts more saved bytes than the swappable activations the test
+    # measures (6,404,868 vs 2,992,900 B per rank), so a feasible budget is above the latter
+    check_smart(smart_reports, setup, binding=setup != "tp")
+    if setup == "tp":  # sequence parallel: saved DTensor activations leave through their locals
+        for rank, report in enumerate(smart_reports):
+            freed = report[setup]["dtensors_freed"]
+            assert all(n > 0 for n, _ in freed), (rank, freed)

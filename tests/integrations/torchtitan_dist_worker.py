@@ -5,7 +5,8 @@ torchtitan's llama3 debug model (4 layers, SDPA attention) parallelized by torch
 activations between blocks), tensor parallel also with
 torchtitan's full activation checkpointing;
 three optimizer steps without and with ``enable_swap_layer_input``, compared by
-``tests.distributed.dist_worker``.
+``tests.distributed.dist_worker``. :func:`run_smart`: the same model, ``dp_shard=2`` and
+``tp=2``, without and with ``SmartSwap``, by ``tests.smart.dist_worker``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import torch
 
 SETUPS = ["fsdp", "tp", "tp-full-ac"]
+SMART_SETUPS = ["fsdp", "tp"]
+# SmartSwap's memory_budget here. At 0.5 the tp=2 plan is infeasible: at the end of the forward
+# (the loss) more than half the profiled saved peak is held by the forward itself.
+SMART_BUDGET = 0.75
 LAYERS = 4
 
 
@@ -67,9 +72,32 @@ def _train(setup: str, rank: int, swap: bool) -> dict:
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
     """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
     from tests.distributed import dist_worker
+    _cpu_torchtitan()
+    dist_worker.init(rank, world, port)
+    dist_worker.run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, swap))
+
+
+def _cpu_torchtitan() -> None:
+    """torchtitan importable without triton, its meshes on CPU (once per rank)."""
     from tests.integrations import torchtitan_cpu as tc
     tc.import_shim()
     from torchtitan.distributed import parallel_dims
     parallel_dims.device_type = "cpu"  # torchtitan's default is the accelerator's
-    dist_worker.init(rank, world, port)
-    dist_worker.run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, swap))
+
+
+def smart_setup(setup: str, rank: int, mesh) -> tuple:
+    """``tests.smart.dist_worker``'s ``(model, batch, loss)`` for ``setup`` (``mesh`` unused:
+    ``parallelize_llama`` builds its own)."""
+    from tests.distributed import models
+    from tests.integrations import torchtitan_cpu as tc
+    _cpu_torchtitan()
+    same_data = setup.startswith("tp")  # TP ranks share the batch
+    return build(setup), lambda step: tc.make_batch(
+        seed=step if same_data else 100 * step + rank), models.loss_of
+
+
+def run_smart(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
+    """Entry point for ``torch.multiprocessing``: ``setups`` without and with ``SmartSwap``."""
+    from tests.smart import dist_worker
+    _cpu_torchtitan()
+    dist_worker.run(rank, world, port, out_dir, setups, smart_setup, SMART_BUDGET)

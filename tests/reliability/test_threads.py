@@ -93,11 +93,9 @@ def _overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return sum(1 for (a0, a1), (b0, b1) in zip(a, b, strict=True) if a0 < b1 and b0 < a1)
 
 
-# Not under the stream model: its producer-wait rule asks whether a side-stream copy waited on a
-# compute event recorded after the compute stream's last action, whoever queued it; two threads
-# share the model's one compute stream, so the other thread's work in between reads as a missing
-# producer wait. Each thread's own ordering is checked by the single-thread tests.
-@pytest.mark.no_stream_model
+# Under the stream model both threads queue their work on the one compute stream, as on a device's
+# default stream; each thread's copies must wait on that thread's own work there (Note: [Producer
+# waits per thread] in swap_pass/testing.py).
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("path", ["enable", "decorators"])
 def test_two_models_in_two_threads_exact_and_clean(path, recompute):

@@ -8,6 +8,9 @@ listed race was reported (see Note: [Happens-before checker] in ``swap_pass/test
 from __future__ import annotations
 
 import gc
+import queue
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -74,6 +77,33 @@ def test_a_storage_dying_while_its_copy_may_run_is_a_race_even_when_the_model_ra
     assert any("died" in r and "read of copy #1 on the d2h stream" in r for r in model.races)
 
 
+@pytest.mark.parametrize("wait", ["in_the_death", "after_the_death", "never"])
+def test_a_source_dying_with_its_copy_queued_is_a_race_unless_its_stream_waits_in_the_death(wait):
+    """x dies while its copy out is queued: its block goes back to the pool of its allocating
+    stream (compute), whose next work may reuse it. A wait on the copy that a finalizer of x's
+    storage issues (as the graph path's swap_out does) comes before any such work: the copy ran
+    on a block nothing reused, no hazard. A wait issued after the death returned comes too late,
+    and no wait at all is a race too."""
+    with stream_model(early_probability=0.0, check=False) as model:
+        ds = device_streams("cpu")
+        x, host = torch.full((8,), 2.0), torch.empty(8)
+        ds.wait(ds.d2h_stream(), ds.record_event(ds.compute_stream()))
+        ds.copy(ds.d2h_stream(), host, x)
+        done = ds.record_event(ds.d2h_stream())
+        if wait == "in_the_death":
+            weakref.finalize(x.untyped_storage(), ds.wait, ds.compute_stream(), done)
+        del x
+        if wait == "after_the_death":
+            ds.wait(ds.compute_stream(), done)
+    if wait == "in_the_death":
+        assert not model.races and not model.hazards, (model.races, model.hazards)
+        assert model.copies_on_dead_blocks == 1
+    else:
+        assert len(model.races) == 1 and "died" in model.races[0], model.races
+        assert "read of copy #1 on the d2h stream" in model.races[0]
+        assert len(model.hazards) == 1 and model.copies_on_dead_blocks == 0, model.hazards
+
+
 def test_the_copy_queue_holds_no_tensor_alive():
     with stream_model(early_probability=0.0, check=False) as model:
         ds = device_streams("cpu")
@@ -101,6 +131,65 @@ def test_waits_merge_clocks_across_fake_devices_and_streams():
         with pytest.raises(ValueError, match="side stream"):
             with model.use_stream(model.d2h):
                 pass
+
+
+class _Worker:
+    """A thread that runs the functions handed to it one at a time, each when the test asks:
+    two workers interleave their calls on the model's streams in the order the test chooses."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, done = job
+            try:
+                done.put((True, fn()))
+            except BaseException as err:  # re-raised by run() on the test's thread
+                done.put((False, err))
+
+    def run(self, fn):
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._jobs.put((fn, done))
+        ok, value = done.get(timeout=60)
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+
+@pytest.mark.parametrize("copier, expected", [("a", 0), ("b", 1)])
+def test_producer_waits_are_per_thread_on_a_shared_compute_stream(copier, expected):
+    """Threads a and b share the compute stream (a device's default stream is one for all
+    threads). a records an event after its work, then b queues work of its own; a copy that
+    waits on a's event is ordered after a's work (no race), but not after b's: from b it misses
+    its producer wait."""
+    a, b = _Worker(), _Worker()
+    try:
+        with stream_model(early_probability=0.0, check=False) as model:
+            ds = device_streams("cpu")
+            src, dst = torch.ones(4), torch.empty(4)
+            ready = a.run(lambda: ds.record_event(ds.compute_stream()))
+            b.run(lambda: ds.record_event(ds.compute_stream()))  # b's work follows a's event
+
+            def copy_after_ready() -> None:
+                ds.wait(ds.d2h_stream(), ready)
+                ds.copy(ds.d2h_stream(), dst, src)
+                ds.wait(ds.compute_stream(), ds.record_event(ds.d2h_stream()))
+
+            {"a": a, "b": b}[copier].run(copy_after_ready)
+    finally:
+        a.stop()
+        b.stop()
+    assert len(model.races) == expected, model.races
+    if expected:
+        assert "producer wait is missing" in model.races[0] and "this thread" in model.races[0]
+    assert torch.equal(dst, src)
 
 
 # --- host buffers go back with their last copy's event, on every caller ---------------------
@@ -168,7 +257,28 @@ def test_a_prefetched_tensor_dying_before_its_wait_orders_its_stream_after_the_c
         del out  # an exception before the wait, say
         ops.wait(ops.swap_out(x), x)
     assert not model.races, model.races
+    assert not model.hazards and model.copies_on_dead_blocks == 1, model.hazards
     assert ops.pending_transfers() == 0
+
+
+@pytest.mark.parametrize("first", ["source", "host_copy"])
+def test_a_swapped_out_tensor_dying_before_its_wait_orders_its_stream_after_the_copy(first):
+    """An exception later in the forward drops the source and its host copy before the wait, in
+    either order. Before the fix a host copy dying first took the pending copy out of the
+    registry, and the source's finalizer then ordered nothing: the source's block went back to
+    the compute stream's pool while the copy out could still read it."""
+    with stream_model(early_probability=0.0, check=False) as model:
+        x = torch.full((16,), 4.0)
+        host = ops.swap_out(x)
+        if first == "source":
+            del x
+            del host
+        else:
+            del host
+            del x
+    assert not model.races and not model.hazards, (model.races, model.hazards)
+    assert model.copies_on_dead_blocks == 1
+    assert ops.pending_transfers() == 0 and swap_pass.swap_stats().host_bytes_in_use == 0
 
 
 def test_reset_with_a_prefetch_in_flight_orders_compute_after_it():

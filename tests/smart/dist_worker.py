@@ -12,6 +12,13 @@ the resident saved bytes against the budget) to ``rank{r}.json``.
 * ``tp``: tensor + sequence parallel plans (``SequenceParallel`` norms, ``ColwiseParallel`` /
   ``RowwiseParallel`` with ``use_local_output=False``): parameters and the activations between
   blocks are ``DTensor`` s, saved as such.
+* ``ddp``, ``fsdp2-ac``, ``tp-classic``: the setups of the same names of
+  ``tests/distributed/dist_worker.py`` (its tiny Llama-style model; DDP, FSDP2 with
+  ``checkpoint_wrapper`` on each block, and tensor parallel without SP, where the first block
+  gets, and its norm saves, an ``AsyncCollectiveTensor``).
+
+``run(..., setup=...)`` trains other models the same way (torchtitan's, in
+``tests/integrations/torchtitan_dist_worker.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-RUNS = ["fsdp2", "fsdp2-keep", "tp"]
+RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic"]
+TITAN_RUNS = ("ddp", "fsdp2-ac", "tp-classic")  # built by tests/distributed/dist_worker.py
 STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
+BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
 
 
 class Block(nn.Module):
@@ -52,24 +61,29 @@ class Net(nn.Module):
 
 class SavedSpy:
     """Saved-tensor hooks entered over SmartSwap's (passing every call through to them): keeps
-    weak references to the local storages of saved ``DTensor`` s and the storages of saved
-    parameters and parameter views (FSDP2's all-gathered ones), to be read when backward starts."""
+    weak references to the local storages of saved ``DTensor`` s and ``AsyncCollectiveTensor`` s
+    (also as a ``DTensor``'s local tensor) and the storages of saved parameters and parameter
+    views (FSDP2's all-gathered ones), to be read when backward starts."""
 
     def __init__(self) -> None:
-        self.dtensor_storages: list = []
+        self.wrapper_storages: dict[str, list] = {"dtensor": [], "collective": []}
         self.param_storages: dict[int, object] = {}
         self._hooks = None
 
     def __enter__(self) -> SavedSpy:
         import weakref
 
-        from swap_pass.smart.saved_local import is_dtensor
+        from swap_pass.smart.saved_local import is_async_collective, is_dtensor, local_of
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
         def spy_pack(t):
-            if is_dtensor(t) and not getattr(t, "_is_param", False):
-                self.dtensor_storages.append(weakref.ref(t._local_tensor.untyped_storage()))
+            inner = t._local_tensor if is_dtensor(t) else t
+            if is_async_collective(inner):
+                self.wrapper_storages["collective"].append(
+                    weakref.ref(local_of(t).untyped_storage()))
+            elif is_dtensor(t) and not getattr(t, "_is_param", False):
+                self.wrapper_storages["dtensor"].append(weakref.ref(inner.untyped_storage()))
             elif type(t) is torch.Tensor or isinstance(t, nn.Parameter):
                 base = t._base if t._base is not None else t
                 if isinstance(base, nn.Parameter):
@@ -83,10 +97,14 @@ class SavedSpy:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
 
-    def dtensors_freed(self) -> tuple[int, int]:
-        """(saved DTensor activations whose local storage is freed now, all of them)."""
-        live = [r() for r in self.dtensor_storages]
-        return sum(1 for s in live if s is not None and s.nbytes() == 0), len(live)
+    def freed(self) -> dict[str, tuple[int, int]]:
+        """Per kind (``"dtensor"``, ``"collective"``): (saved wrappers whose local storage is
+        freed now, all of them)."""
+        out = {}
+        for kind, refs in self.wrapper_storages.items():
+            live = [r() for r in refs]
+            out[kind] = (sum(1 for s in live if s is not None and s.nbytes() == 0), len(live))
+        return out
 
 
 def _tracked_storages(smart) -> set[int]:
@@ -132,14 +150,28 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
+def setup_of(run: str, rank: int, mesh):
+    """``(model, batch, loss)`` of ``run``: ``batch(step)`` is the step's ``(input, *rest)``,
+    ``loss(output, *rest)`` its loss."""
+    if run in TITAN_RUNS:
+        from tests.distributed import dist_worker as parallel
+        from tests.distributed import models
+        model = parallel._wrap(run, models.TinyTitan(), mesh)
+        same_data = run.startswith("tp")  # TP ranks share the batch
+        return model, lambda step: models.batch(step if same_data else 100 * step + rank), \
+            models.loss_of
+    model = _parallelize(Net(), run, mesh)
+    return model, lambda step: (_batch(run, rank, step, mesh),), _loss
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
+def _train(run: str, rank: int, mesh, smart_budget: float | None, setup=setup_of) -> dict:
     import swap_pass
     from swap_pass.smart.bench import ResidentSavedBytes
-    model = _parallelize(Net(), run, mesh)
+    model, batch_of, loss_of = setup(run, rank, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [],
            "inputs_intact": True}
@@ -148,24 +180,26 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
         smart.__enter__()
     try:
         for step in range(STEPS):
-            x = _batch(run, rank, step, mesh)
-            x_before = _local(x)
+            x, *rest = batch = batch_of(step)
+            batch_before = [_local(t) for t in batch]
             before = swap_pass.swap_stats().swapped_out_bytes
             stage = smart.stage.value if smart is not None else "none"
             with ResidentSavedBytes(model) as counter, SavedSpy() as spy:
-                loss = _loss(model(x))
+                loss = loss_of(model(x), *rest)
                 counter.sample()
                 at_backward = []
-                loss.register_hook(lambda g, seen=at_backward: seen.append(spy.dtensors_freed()))
+                loss.register_hook(lambda g, seen=at_backward: seen.append(spy.freed()))
                 if smart is not None:  # FSDP2's all-gathered parameters are never ours
                     out["params_tracked"] = out.get("params_tracked", 0) + len(
                         _tracked_storages(smart) & set(spy.param_storages))
                     out["params_saved"] = out.get("params_saved", 0) + len(spy.param_storages)
                 loss.backward()
-            out.setdefault("dtensors_freed", []).append(at_backward[0])
+            for kind, freed in at_backward[0].items():
+                out.setdefault(f"{kind}s_freed", []).append(freed)
             out["losses"].append(loss.detach().clone())
             out["grads"].append([_local(p.grad) for p in model.parameters()])
-            out["inputs_intact"] &= torch.equal(_local(x), x_before)
+            out["inputs_intact"] &= all(torch.equal(_local(t), b)
+                                        for t, b in zip(batch, batch_before, strict=True))
             opt.step()
             opt.zero_grad(set_to_none=True)
             if smart is not None:
@@ -180,7 +214,9 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None) -> dict:
     if smart is not None:
         out["budget_bytes"] = smart.policy.budget_bytes
         out["feasible"] = smart.policy.feasible
+        out["plan"] = smart.policy.summary()
     out["host_bytes_in_use"] = swap_pass.swap_stats().host_bytes_in_use
+    out["skipped"] = dict(swap_pass.swap_stats().skipped_bytes)
     return out
 
 
@@ -195,21 +231,26 @@ def _compare(ref: dict, got: dict) -> dict:
         "params_equal": eq(ref["params"], got["params"]),
         "released": got["released"], "stages": got["stages"],
         "peaks": got["peaks"], "unswapped_peaks": ref["peaks"],
-        "budget_bytes": got["budget_bytes"], "feasible": got["feasible"],
+        "budget_bytes": got["budget_bytes"], "feasible": got["feasible"], "plan": got["plan"],
         "inputs_intact": got["inputs_intact"] and ref["inputs_intact"],
         "host_bytes_in_use": got["host_bytes_in_use"],
-        "dtensors_freed": got["dtensors_freed"], "params_tracked": got["params_tracked"],
-        "params_saved": got["params_saved"],
+        "dtensors_freed": got["dtensors_freed"], "collectives_freed": got["collectives_freed"],
+        "params_tracked": got["params_tracked"], "params_saved": got["params_saved"],
+        "skipped": {str(k): v for k, v in got["skipped"].items()},
     }
 
 
-def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = None) -> None:
-    """Entry point for ``torch.multiprocessing.spawn``."""
+def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = None,
+        setup=setup_of, budget: float = BUDGET) -> None:
+    """Entry point for ``torch.multiprocessing.spawn``: each of ``runs`` (default :data:`RUNS`)
+    without and with ``SmartSwap(model, memory_budget=budget)``; ``setup`` builds them (default
+    :func:`setup_of`; a module-level function, to reach the spawned ranks)."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import swap_pass
+    from tests.distributed.dist_worker import maybe_stream_model
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -219,10 +260,13 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
         mesh = init_device_mesh("cpu", (world,))
         for name in runs or RUNS:
             swap_pass.reset()
-            ref = _train(name, rank, mesh, None)
+            ref = _train(name, rank, mesh, None, setup)
             swap_pass.reset()
-            got = _train(name, rank, mesh, 0.5)
+            with maybe_stream_model() as model:  # SWAP_PASS_STREAM_MODEL=1 reaches the ranks
+                got = _train(name, rank, mesh, budget, setup)
             results[name] = _compare(ref, got)
+            if model is not None:
+                results[name]["hazards"] = [str(h) for h in model.hazards]
     except Exception as e:  # reported to the test, which fails with it
         import traceback
         results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

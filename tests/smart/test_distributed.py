@@ -1,10 +1,14 @@
-"""SmartSwap on FSDP2 and tensor + sequence parallel models: 2 gloo ranks spawned for real.
+"""SmartSwap on DDP, FSDP2 (also with ``checkpoint_wrapper``), tensor + sequence parallel and
+classic tensor parallel models: 2 gloo ranks spawned for real.
 
 The worker (``dist_worker.py``) trains each setup with and without SmartSwap (``memory_budget=0.5``)
 for 4 AdamW steps; here every rank must report: every loss, gradient and parameter bitwise equal,
 bytes released in every step, the resident saved bytes of the planned steps within the budget,
-nothing left on the host, and, per setup, what SmartSwap must (not) touch: FSDP2's all-gathered
-parameter storages never tracked, saved DTensor activations freed through their local tensors.
+nothing left on the host, nothing kept as a tensor subclass, and, per setup, what SmartSwap must
+(not) touch: FSDP2's all-gathered parameter storages never tracked, saved DTensor activations
+freed through their local tensors, saved ``AsyncCollectiveTensor`` s through their waited results.
+Under ``SWAP_PASS_STREAM_MODEL=1`` the SmartSwap runs go under ``swap_pass.testing.stream_model``
+and report its hazards.
 """
 
 from __future__ import annotations
@@ -34,15 +38,26 @@ def results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("run", dist_worker.RUNS)
 def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(results, run):
+    check(results, run)
+
+
+def check(results: list[dict], run: str, *, binding: bool = True) -> None:
+    """What every run must show on every rank (see the module docstring).
+
+    ``binding``: the budget is below the measured unswapped peak of saved activations (else
+    only the planned steps' measured peak is, and within the budget)."""
     for rank, per_run in enumerate(results):
         res = per_run[run]
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert all(b > 0 for b in res["released"]), (rank, res["released"])
         assert res["stages"][-2:] == ["stable", "stable"] and res["feasible"], (rank, res)
         stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
-        assert all(p <= res["budget_bytes"] < max(res["unswapped_peaks"]) for p in stable), (
-            rank, res)
+        ceiling = res["budget_bytes"] if binding else max(stable)
+        assert all(p <= res["budget_bytes"] for p in stable), (rank, res)
+        assert ceiling < max(res["unswapped_peaks"]), (rank, res)
         assert res["host_bytes_in_use"] == 0 and res["inputs_intact"], (rank, res)
+        assert "subclass" not in res["skipped"], (rank, res["skipped"])
+        assert res.get("hazards", []) == [], (rank, res["hazards"])  # SWAP_PASS_STREAM_MODEL=1
 
 
 @pytest.mark.parametrize("run", [r for r in dist_worker.RUNS if r.startswith("fsdp2")])
@@ -56,3 +71,12 @@ def test_saved_dtensor_activations_are_freed_through_their_local_tensors(results
     for rank, per_run in enumerate(results):
         freed = per_run["tp"]["dtensors_freed"]
         assert all(n > 0 for n, _ in freed), (rank, freed)
+
+
+def test_saved_async_collective_tensors_are_freed_through_their_waited_results(results):
+    """Classic TP: the first block's norm saves the embedding's all-reduce result, an
+    ``AsyncCollectiveTensor`` (Note: [Saved AsyncCollectiveTensors] in saved_local.py)."""
+    for rank, per_run in enumerate(results):
+        freed = per_run["tp-classic"]["collectives_freed"]
+        assert all(total > 0 for _, total in freed), (rank, freed)
+        assert all(n > 0 for n, _ in freed[:2]), (rank, freed)  # conservative steps: all go

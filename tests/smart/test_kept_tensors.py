@@ -2,13 +2,16 @@
 
 Sparse (COO, CSR), nested (jagged) and other tensor subclasses have no one plain storage to free
 and restore: SmartSwap leaves them to autograd, counts them by reason in ``swap_stats()``, and
-still moves the plain activations of the same step. Each case is compared bitwise to the same
-model without SmartSwap over several steps (warmup, profiling and planned ones).
+still moves the plain activations of the same step. An ``AsyncCollectiveTensor`` is waited for
+and moves through its result (Note: [Saved AsyncCollectiveTensors] in saved_local.py). Each case
+is compared bitwise to the same model without SmartSwap over several steps (warmup, profiling
+and planned ones).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -72,6 +75,34 @@ class SubclassMix(nn.Module):
         w = TwoTensor(h, h * 2)
         y = torch.sin(w) * w
         return (y.a + y.b).sum() + (h * h).sum()
+
+
+class _ToAsync(torch.autograd.Function):
+    """Hands its input on as an ``AsyncCollectiveTensor`` over a copy, as a collective's
+    ``to_local()`` does (here with no collective behind it: its wait is a no-op)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        return AsyncCollectiveTensor(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class CollectiveMix(nn.Module):
+    """A dense layer whose output comes back as an ``AsyncCollectiveTensor`` that the next ops
+    save (``sin`` and ``mul`` save the wrapper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = _ToAsync.apply(self.lin(x))
+        return (torch.sin(a) * a).sum()
 
 
 def _run(model: nn.Module, inputs: tuple, leaves: list[torch.Tensor]) -> None:
@@ -152,3 +183,25 @@ def test_a_dense_activation_next_to_a_sparse_one_is_really_freed_after_forward()
         loss.register_hook(spy)
         loss.backward()
     assert freed and freed[0] > 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed here")
+def test_saved_async_collective_tensors_move_through_their_waited_result():
+    from swap_pass.smart.saved_local import is_async_collective
+    x = torch.randn(64, 64)
+    _run(CollectiveMix(), (x,), [])
+    stats = swap_pass.swap_stats()
+    assert "subclass" not in stats.skipped_bytes and stats.host_bytes_in_use == 0
+    model, saved, freed = CollectiveMix(), [], []
+
+    def spy(t):  # over SmartSwap's hooks: the wrapper's result storage, as saved
+        if is_async_collective(t):
+            saved.append(weakref.ref(t.elem.untyped_storage()))
+        return pack(t)
+    with SmartSwap(model, memory_budget=0):
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(spy, unpack):
+            loss = model(x)
+        loss.register_hook(lambda g: freed.append([r().nbytes() for r in saved]))
+        loss.backward()
+    assert freed[0] and all(n == 0 for n in freed[0]), freed  # off the device until backward

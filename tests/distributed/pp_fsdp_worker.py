@@ -1,0 +1,176 @@
+"""One rank of the pipeline x FSDP2 test: 4 gloo ranks (CPU), a 2-D mesh ``("pp", "dp")``.
+
+The tiny Llama of ``models.py`` with ``STAGES * LAYERS_PER_STAGE`` blocks is split into 2
+pipeline stages (ranks ``{0, 1}`` hold stage 0, ``{2, 3}`` stage 1); each stage's blocks and the
+stage are ``fully_shard``-ed over the stage's 2-rank ``dp`` mesh, and
+``torch.distributed.pipelining`` runs ``MICROBATCHES`` micro-batches per step (``ScheduleGPipe``
+or ``Schedule1F1B``). ``STEPS`` AdamW steps, once without swap and once with
+``enable_swap_layer_input`` on the stage module; the rank writes to ``rank<r>.json`` what the
+test asserts on: the last stage's losses, every gradient of every step and every parameter after
+the last step ``torch.equal`` (local shards), the stage's block inputs freed at the end of the
+first forward, bytes released, nothing pending, the batch intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STAGES, LAYERS_PER_STAGE, MICROBATCHES, BATCH, STEPS = 2, 4, 4, 4, 3
+SCHEDULES = ["gpipe", "1f1b"]
+
+
+class StageModel(nn.Module):
+    """Stage ``stage`` of the model: the embedding on the first stage, its blocks in ``layers``,
+    the norm and output on the last. Every rank builds the whole model with one seed and keeps its
+    share, so the stages' weights are those of one model."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        from tests.distributed import models as m
+        torch.manual_seed(0)
+        embed = nn.Embedding(m.VOCAB, m.DIM)
+        blocks = [m.Block() for _ in range(STAGES * LAYERS_PER_STAGE)]
+        norm, output = nn.RMSNorm(m.DIM), nn.Linear(m.DIM, m.VOCAB, bias=False)
+        last = stage == STAGES - 1
+        self.tok_embeddings = embed if stage == 0 else None
+        self.layers = nn.ModuleList(blocks[stage * LAYERS_PER_STAGE:(stage + 1) * LAYERS_PER_STAGE])
+        self.norm, self.output = (norm, output) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's batch: the same on both stages of a pipeline."""
+    from tests.distributed import models as m
+    gen = torch.Generator().manual_seed(100 * step + dp_rank)
+    tokens = torch.randint(0, m.VOCAB, (BATCH, m.SEQ + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _build(schedule: str, mesh, swap: bool):
+    from torch.distributed import pipelining as pp
+    from torch.distributed.fsdp import fully_shard
+
+    import swap_pass
+    from tests.distributed import models as m
+    stage_idx = mesh["pp"].get_local_rank()
+    model = StageModel(stage_idx)
+    handle = swap_pass.enable_swap_layer_input(model) if swap else None
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    stage = pp.PipelineStage(model, stage_idx, STAGES, torch.device("cpu"),
+                             group=mesh["pp"].get_group())
+    cls = pp.ScheduleGPipe if schedule == "gpipe" else pp.Schedule1F1B
+    return model, handle, cls(stage, n_microbatches=MICROBATCHES, loss_fn=m.loss_of)
+
+
+def _watch(model):
+    """Pre-hooks keeping each block's forward input, and after the stage's forward whether each
+    one's storage is freed (the first micro-batch's forward is the one the test reads)."""
+    from swap_pass.eager._layer_io import in_backward
+    seen: list[torch.Tensor] = []
+    freed: list[list[bool]] = []
+    hooks = [layer.register_forward_pre_hook(
+        lambda mod, args: None if in_backward() else seen.append(args[0]))
+        for layer in model.layers]
+
+    def after(mod, args, out):
+        freed.append([x.untyped_storage().nbytes() == 0 for x in seen])
+        seen.clear()
+
+    hooks.append(model.register_forward_hook(after))
+    return hooks, freed
+
+
+def _train(schedule: str, mesh, swap: bool) -> dict:
+    import swap_pass
+    from tests.distributed import models as m
+    swap_pass.reset()
+    model, handle, sched = _build(schedule, mesh, swap)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hooks, freed = _watch(model)
+    rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            tokens, labels = _batch(step, mesh["dp"].get_local_rank())
+            kept = (tokens.clone(), labels.clone())
+            opt.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            args = (tokens,) if mesh["pp"].get_local_rank() == 0 else ()
+            sched.step(*args, target=labels, losses=losses)
+            rec["losses"].append([loss.detach() for loss in losses])
+            rec["grads"].append(m.state(model, "grad"))
+            opt.step()
+            stats = swap_pass.swap_stats()
+            rec["outs"].append(stats.swap_outs)
+            rec["intact"] &= torch.equal(tokens, kept[0]) and torch.equal(labels, kept[1])
+            pending = sum(len(mgr.batch_stack) for mgr in handle.managers) if handle else 0
+            rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
+    for hook in hooks:
+        hook.remove()
+    stats = swap_pass.swap_stats()
+    rec.update(params=m.state(model, "data"), freed=freed[0],
+               released=stats.peak_device_bytes_released, swapped_in=stats.swapped_in_bytes,
+               skipped=stats.skipped_bytes,
+               warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
+    if handle is not None:
+        handle.remove()
+    return rec
+
+
+def _compare(ref: dict, got: dict) -> dict:
+    from tests.distributed import models as m
+    return {
+        "losses_equal": all(len(a) == len(b) and all(torch.equal(x, y)
+                                                     for x, y in zip(a, b, strict=True))
+                            for a, b in zip(ref["losses"], got["losses"], strict=True)),
+        "n_losses": [len(x) for x in got["losses"]],
+        "grads_equal": all(m.all_equal(a, b)
+                           for a, b in zip(ref["grads"], got["grads"], strict=True)),
+        "grads_present": all(v is not None for g in got["grads"] for v in g.values()),
+        "params_equal": m.all_equal(ref["params"], got["params"]),
+        "n_params": len(got["params"]), "ref_outs": ref["outs"][-1],
+        **{k: got[k] for k in ("outs", "freed", "released", "swapped_in", "skipped", "clean",
+                                "warnings")},
+        "intact": got["intact"] and ref["intact"],
+    }
+
+
+def run(rank: int, world: int, port: int, out_dir: str, schedules: list[str]) -> None:
+    """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.distributed.dist_worker import init, maybe_stream_model
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "dp"))
+    report: dict = {"stage": mesh["pp"].get_local_rank(), "dp_rank": mesh["dp"].get_local_rank()}
+    try:
+        for schedule in schedules:
+            try:
+                ref = _train(schedule, mesh, swap=False)
+                with maybe_stream_model() as model:
+                    got = _train(schedule, mesh, swap=True)
+                report[schedule] = _compare(ref, got)
+                if model is not None:
+                    report[schedule]["hazards"] = [str(h) for h in model.hazards]
+            except Exception:  # reported, so the test names the schedule that failed
+                report[schedule] = {"error": traceback.format_exc()}
+                print(report[schedule]["error"], file=sys.stderr)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,86 @@
+"""Pipeline parallel x FSDP2 on 4 gloo ranks (CPU): 2 stages x 2-way ``fully_shard``, one 2-D mesh.
+
+One spawned group of 4 ranks runs ``ScheduleGPipe`` and ``Schedule1F1B``
+(``pp_fsdp_worker.SCHEDULES``), each three optimizer steps of 4 micro-batches without and with
+``enable_swap_layer_input`` on each stage's module. Per rank: the last stage's losses, every
+gradient of every step and every parameter after the last step ``torch.equal`` (local shards);
+each stage's block inputs but the last off the device at the end of its forward (on the second
+stage also the first block's, see :func:`swapped_per_microbatch`); bytes released on this rank
+exactly the block inputs of the micro-batches the schedule has in flight at once; nothing pending;
+the batch intact; no warning. Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run
+their swapped steps under ``swap_pass.testing.stream_model`` and report its hazards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed import models
+from tests.distributed import pp_fsdp_worker as worker
+from tests.distributed.spawn import spawn_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
+
+RANKS = 4
+# One micro-batch's block input: [BATCH / MICROBATCHES, seq, dim] float32.
+LAYER_INPUT = worker.BATCH // worker.MICROBATCHES * models.SEQ * models.DIM * 4
+
+
+def swapped_per_microbatch(stage: int) -> int:
+    """Block inputs swapped per micro-batch on ``stage``.
+
+    Each stage's last block keeps its input (backward starts there at once). On a stage after the
+    first, the first block's input stays too, counted as ``user_data``: FSDP2's pre-forward hook
+    of the stage module passes the received activation (a leaf the schedule keeps for its
+    ``.grad``) through an autograd Function that returns it as is, so the block receives an alias,
+    a view of that leaf, which the ownership rule treats as the caller's (Note: [Ownership rule]
+    in ``swap_pass/runtime/ownership.py``). Without FSDP the received leaf itself is swapped
+    (``tests/eager/test_pipeline.py``).
+    """
+    return worker.LAYERS_PER_STAGE - 1 - (stage > 0)
+
+
+def in_flight(schedule: str, stage: int) -> int:
+    """Micro-batches whose forward has run and whose backward has not, at most, on ``stage``:
+    GPipe runs every forward first; 1F1B's warm-up runs ``stages - stage`` forwards."""
+    if schedule == "gpipe":
+        return worker.MICROBATCHES
+    return min(worker.MICROBATCHES, worker.STAGES - stage)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    return spawn_ranks(worker.run, RANKS, tmp_path_factory.mktemp("pp_fsdp"), worker.SCHEDULES,
+                       seconds=420)
+
+
+@pytest.mark.parametrize("schedule", worker.SCHEDULES)
+def test_pipeline_x_fsdp2_exact_and_swapped_on_every_rank(reports, schedule):
+    for rank, report in enumerate(reports):
+        res, stage = report[schedule], report["stage"]
+        assert (stage, report["dp_rank"]) == divmod(rank, 2)
+        assert "error" not in res, res.get("error")
+        assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
+        last = stage == worker.STAGES - 1
+        assert res["n_losses"] == [worker.MICROBATCHES if last else 0] * worker.STEPS
+        assert res["grads_present"] and res["n_params"] > 0, (rank, res)
+        assert res["ref_outs"] == 0
+        per_mb = swapped_per_microbatch(stage)
+        # torch 2.13's first step also runs the stage's metadata inference: one more micro-batch's
+        # forward and backward with real tensors and grad on (releases that infer shapes under
+        # no_grad swap nothing there).
+        inference = res["outs"][0] // per_mb - worker.MICROBATCHES
+        assert inference in (0, 1), (rank, res)
+        forwards = [worker.MICROBATCHES * (s + 1) + inference for s in range(worker.STEPS)]
+        assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
+        assert res["freed"] == [stage == 0] + [True] * (per_mb - (stage == 0)) + [False], (
+            rank, res)
+        assert res["released"] == in_flight(schedule, stage) * per_mb * LAYER_INPUT, (rank, res)
+        assert res["swapped_in"] == res["outs"][-1] * LAYER_INPUT, (rank, res)
+        kept = {"user_data": forwards[-1] * LAYER_INPUT} if stage > 0 else {}
+        assert res["skipped"] == kept and res["warnings"] == [], (rank, res)
+        assert res["clean"] and res["intact"], (rank, res)
+        assert res.get("hazards", []) == [], (rank, res)
