@@ -31,6 +31,7 @@ from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs, swap_within_budget
 from swap_pass.graph.boundaries import LayerFilter
 from swap_pass.graph.budget import Budget, CostModel
+from swap_pass.graph.module_names import name_modules_as_the_model_does
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 
@@ -308,6 +309,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
 
     def backend(gm: fx.GraphModule, example_inputs):
         _refuse_compiled_autograd()
+        name_modules_as_the_model_does(gm)  # Note: [Module names in resumed frames]
         if inner == "inductor":
             return _compile_inductor(gm, example_inputs, partition,
                                      _partitioner_uuid(layer_filter, config, budget, cost))

@@ -23,6 +23,7 @@ from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input, find_layer_blocks
+from swap_pass.runtime.skips import warn_once
 
 __all__ = ["CompiledLayers", "compile_layers"]
 
@@ -107,6 +108,48 @@ def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Mod
     return found
 
 
+# Note: [CUDA graphs only on CUDA]
+# ``mode="reduce-overhead"`` and ``"max-autotune"`` (and ``options={"triton.cudagraphs": True}``)
+# ask Inductor to capture CUDA graphs. Inductor captures a graph only when all its tensors sit on
+# one CUDA device; for a graph with no CUDA tensor it skips the capture without a log line, even
+# under ``TORCH_LOGS="cudagraphs"`` (torch 2.13: it only counts
+# ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``), so the layers silently run as
+# plain Inductor code. compile_layers warns once when the layers it compiles are on the CPU.
+# Other devices are left alone: an out-of-tree backend may capture graphs of its own.
+
+
+def _asks_for_cuda_graphs(backend: str | Callable, compile_kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile(backend=backend, **compile_kwargs)`` turns on Inductor's CUDA
+    graphs (Note: [CUDA graphs only on CUDA])."""
+    if backend != "inductor":
+        return False
+    mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options") or {}
+    if mode not in (None, "default"):
+        from torch import _inductor
+
+        try:
+            options = {**_inductor.list_mode_options(mode), **options}
+        except RuntimeError:  # an unknown mode: torch.compile names it itself
+            return False
+    return bool(options.get("triton.cudagraphs"))
+
+
+def _warn_cuda_graphs_on_cpu(found: list[nn.Module], backend: str | Callable,
+                             compile_kwargs: dict[str, Any]) -> None:
+    if not _asks_for_cuda_graphs(backend, compile_kwargs):
+        return
+    tensor = next((t for layer in found for t in (*layer.parameters(), *layer.buffers())), None)
+    if tensor is None or tensor.device.type != "cpu":
+        return
+    asked = (f"mode={compile_kwargs['mode']!r}" if compile_kwargs.get("mode") not in
+             (None, "default") else "options={'triton.cudagraphs': True}")
+    warn_once("cuda_graphs_on_cpu", _API, (
+        f"swap_pass.{_API}: {asked} asks Inductor for CUDA graphs, which it captures only for "
+        "tensors on a CUDA device; these layers are on the CPU, so they run as plain Inductor "
+        "code, without graphs (the swap is the same as with the default mode). Move the model "
+        "to a CUDA device before compiling to capture graphs."), stacklevel=4)
+
+
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
                    layers: Iterable[nn.Module] | None = None, swap: bool = True,
                    config: SwapConfig | None = None, **compile_kwargs: Any) -> CompiledLayers:
@@ -123,7 +166,9 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
             protocol of :func:`swap_pass.enable_swap_layer_input`). Default: ``True``.
         config: Runtime knobs for the swap. Default: ``SwapConfig()``.
         **compile_kwargs: Passed to ``torch.compile`` (``mode="reduce-overhead"``,
-            ``dynamic=...``, ``fullgraph=...``).
+            ``dynamic=...``, ``fullgraph=...``). CUDA graphs (``mode="reduce-overhead"``) are
+            captured only on CUDA devices: layers on the CPU run as plain Inductor code, with a
+            one-time ``RuntimeWarning`` (Note: [CUDA graphs only on CUDA]).
 
     Returns:
         A :class:`CompiledLayers` handle; ``remove()`` or leaving ``with`` restores the model.
@@ -135,6 +180,7 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
     """
     config = check_config(config, _API)
     found = _layers(model, layers)
+    _warn_cuda_graphs_on_cpu(found, backend, compile_kwargs)
     compiler = npu_backend() if backend == "npu" else backend
     saved = []
     for layer in found:

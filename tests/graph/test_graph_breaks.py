@@ -138,3 +138,45 @@ def test_compiled_autograd_is_refused_before_anything_runs():
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+class HeldAcrossBreak(Stack):
+    """Layers 3..5 reached, after a break, through a local held across it: Dynamo records them
+    under the local's name (``L['layers'][3]``, ``L['blocks'].3``), not ``layers.3``."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+
+    def forward(self, x):
+        x = x * 2
+        layers = list(self.layers) if self.held == "list" else self.layers
+        for layer in layers[:3]:
+            x = layer(x)
+        torch._dynamo.graph_break()
+        if self.held == "list":
+            for layer in layers[3:]:
+                x = layer(x)
+        else:
+            x = layers[5](layers[4](layers[3](x)))
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("layer_filter", [r"layers\.\d+", Block, None],
+                         ids=["regex", "class", "guess"])
+@pytest.mark.parametrize("held", ["list", "module_list"])
+def test_layers_held_in_a_local_across_a_break_keep_their_qualified_names(held, layer_filter):
+    """Note: [Module names in resumed frames]: the resumed graph names layers 3..5 as the model
+    does, so a regex on qualified names, a class, and the family rule all find them: layer 4's
+    input is swapped (layer 3's is the graph's input, layer 5 is the last)."""
+    model = HeldAcrossBreak(held)
+    ref = copy.deepcopy(model)
+    backend = make_swap_backend("aot_eager", layer_filter=layer_filter)
+    swap_pass.reset()
+    loss = _step(model, backend)
+    ref_loss = _step(ref, "aot_eager")
+    _assert_same_as_without_swap(model, ref, loss, ref_loss)
+    swapped = [[s.layer for s in p.swapped] for p in backend.partitions]
+    assert swapped == [["layers.0", "layers.1", "layers.2"], ["layers.4"]], swapped
+    stats = swap_pass.swap_stats()
+    assert stats.swap_outs == stats.swap_ins == 4 and stats.host_bytes_in_use == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -93,3 +95,21 @@ def test_npu_backend_without_torch_npu_is_a_clear_error():
 def test_model_without_repeated_layers_is_an_error():
     with pytest.raises(ValueError, match=r"found no nn\.ModuleList or nn\.ModuleDict"):
         compile_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                                    {"options": {"triton.cudagraphs": True}}])
+def test_cuda_graph_modes_on_cpu_warn_once_that_no_graph_is_captured(kwargs):
+    """Inductor captures CUDA graphs only on CUDA devices and skips them on the CPU without a
+    visible message (Note: [CUDA graphs only on CUDA]): compile_layers says so, once."""
+    model = tiny_model(L)
+    with pytest.warns(RuntimeWarning, match=r"swap_pass\.compile_layers: .* asks Inductor for "
+                                            r"CUDA graphs.* on the CPU") as caught:
+        compile_layers(model, backend="inductor", **kwargs).remove()
+    ours = [w for w in caught if "CUDA graphs" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # once, pointing at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_layers(model, backend="inductor", **kwargs).remove()  # once until reset()
+        compile_layers(model, backend="inductor").remove()
+        compile_layers(model, backend="aot_eager").remove()
