@@ -242,17 +242,21 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def run_setups(rank: int, out_dir: str, setups: list[str], train) -> None:
-    """``train(setup, swap)`` without and with swap for each setup; the comparisons (or the
-    error) go to ``out_dir/rank<r>.json``; the process group is destroyed at the end."""
-    report = {}
+def run_setups(rank: int, out_dir: str, setups: list[str], train, *, compare_runs=None,
+               report: dict | None = None) -> None:
+    """``train(setup, swap)`` without and with swap for each setup; the comparisons
+    (``compare_runs(ref, got)``, :func:`compare` by default) or the error go to
+    ``out_dir/rank<r>.json`` beside ``report``'s entries; the process group is destroyed at the
+    end."""
+    compare_runs = compare if compare_runs is None else compare_runs
+    report = {} if report is None else report
     try:
         for setup in setups:
             try:
                 ref = train(setup, False)
                 with maybe_stream_model() as model:
                     got = train(setup, True)
-                report[setup] = compare(ref, got)
+                report[setup] = compare_runs(ref, got)
                 if model is not None:
                     report[setup]["hazards"] = [str(h) for h in model.hazards]
             except Exception:  # reported, so the test names the setup that failed

@@ -13,14 +13,9 @@ first forward, bytes released, nothing pending, the batch intact.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 STAGES, LAYERS_PER_STAGE, MICROBATCHES, BATCH, STEPS = 2, 4, 4, 4, 3
@@ -154,23 +149,9 @@ def run(rank: int, world: int, port: int, out_dir: str, schedules: list[str]) ->
     """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.distributed.dist_worker import init, maybe_stream_model
+    from tests.distributed.dist_worker import init, run_setups
     init(rank, world, port)
     mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "dp"))
     report: dict = {"stage": mesh["pp"].get_local_rank(), "dp_rank": mesh["dp"].get_local_rank()}
-    try:
-        for schedule in schedules:
-            try:
-                ref = _train(schedule, mesh, swap=False)
-                with maybe_stream_model() as model:
-                    got = _train(schedule, mesh, swap=True)
-                report[schedule] = _compare(ref, got)
-                if model is not None:
-                    report[schedule]["hazards"] = [str(h) for h in model.hazards]
-            except Exception:  # reported, so the test names the schedule that failed
-                report[schedule] = {"error": traceback.format_exc()}
-                print(report[schedule]["error"], file=sys.stderr)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
+    run_setups(rank, out_dir, schedules, lambda schedule, swap: _train(schedule, mesh, swap),
+               compare_runs=_compare, report=report)

@@ -13,15 +13,10 @@ nothing pending; the batch intact; the model really split (weight shards, sequen
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import sys
-import traceback
 import warnings
 
 import torch
-import torch.distributed as dist
 
 STEPS, LAYERS, TP = 3, 4, 2
 # (recompute_method, recompute_num_layers): uniform, one layer per checkpoint (every layer's
@@ -121,27 +116,11 @@ def _compare(ref: dict, got: dict) -> dict:
 
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
     """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
-    from tests.distributed.dist_worker import init, maybe_stream_model
+    from tests.distributed.dist_worker import init, run_setups
     from tests.integrations import megatron_cpu as mc
     warnings.simplefilter("ignore")
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     init(rank, world, port)
-    report: dict = {}
-    try:
-        with mc.cpu_shims():
-            mc.init_parallel(tp=TP)
-            for setup in setups:
-                try:
-                    ref = _train(setup, swap=False)
-                    with maybe_stream_model() as model:
-                        got = _train(setup, swap=True)
-                    report[setup] = _compare(ref, got)
-                    if model is not None:
-                        report[setup]["hazards"] = [str(h) for h in model.hazards]
-                except Exception:  # reported, so the test names the setup that failed
-                    report[setup] = {"error": traceback.format_exc()}
-                    print(report[setup]["error"], file=sys.stderr)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
+    with mc.cpu_shims():
+        mc.init_parallel(tp=TP)
+        run_setups(rank, out_dir, setups, _train, compare_runs=_compare)
