@@ -180,9 +180,15 @@ def train_steps(model, inner, handle, batches: list, loss_fn, *, watch: bool = T
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
+    return close_record(rec, caught, handle, params=m.state(inner, "data"), freed=freed[0])
+
+
+def close_record(rec: dict, caught: list, handle, **fields) -> dict:
+    """``rec`` with ``fields``, the run's swap figures and swap_pass's warnings (``caught``);
+    ``handle`` (if any) removed."""
+    import swap_pass
     stats = swap_pass.swap_stats()
-    rec.update(params=m.state(inner, "data"), freed=freed[0],
-               released=stats.peak_device_bytes_released,
+    rec.update(fields, released=stats.peak_device_bytes_released,
                swapped_in=stats.swapped_in_bytes, skipped=stats.skipped_bytes,
                warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
     if handle is not None:

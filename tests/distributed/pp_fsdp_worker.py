@@ -93,6 +93,7 @@ def _watch(model):
 def _train(schedule: str, mesh, swap: bool) -> dict:
     import swap_pass
     from tests.distributed import models as m
+    from tests.distributed.dist_worker import close_record
     swap_pass.reset()
     model, handle, sched = _build(schedule, mesh, swap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -117,14 +118,7 @@ def _train(schedule: str, mesh, swap: bool) -> dict:
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
-    stats = swap_pass.swap_stats()
-    rec.update(params=m.state(model, "data"), freed=freed[0],
-               released=stats.peak_device_bytes_released, swapped_in=stats.swapped_in_bytes,
-               skipped=stats.skipped_bytes,
-               warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
-    if handle is not None:
-        handle.remove()
-    return rec
+    return close_record(rec, caught, handle, params=m.state(model, "data"), freed=freed[0])
 
 
 def _compare(ref: dict, got: dict) -> dict:

@@ -61,6 +61,7 @@ def _train(setup: str, swap: bool) -> dict:
     import swap_pass
     from swap_pass.integrations import megatron as sp_megatron
     from swap_pass.integrations.megatron import layers_to_swap
+    from tests.distributed.dist_worker import close_record
     from tests.integrations import megatron_cpu as mc
     swap_pass.reset()
     model = _build(setup)
@@ -84,17 +85,11 @@ def _train(setup: str, swap: bool) -> dict:
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
-    stats = swap_pass.swap_stats()
-    rec.update(params={n: p.detach().clone() for n, p in model.named_parameters()},
-               freed=freed[0], input_shape=list(seen[0].shape),
-               qkv_shape=list(model.decoder.layers[0].self_attention.linear_qkv.weight.shape),
-               final_norm=model.decoder.final_layernorm.weight.tolist(),
-               released=stats.peak_device_bytes_released, swapped_in=stats.swapped_in_bytes,
-               skipped=stats.skipped_bytes,
-               warnings=[str(w.message) for w in caught if "swap_pass" in str(w.message)])
-    if handle is not None:
-        handle.remove()
-    return rec
+    return close_record(
+        rec, caught, handle, params={n: p.detach().clone() for n, p in model.named_parameters()},
+        freed=freed[0], input_shape=list(seen[0].shape),
+        qkv_shape=list(model.decoder.layers[0].self_attention.linear_qkv.weight.shape),
+        final_norm=model.decoder.final_layernorm.weight.tolist())
 
 
 def _compare(ref: dict, got: dict) -> dict:
