@@ -23,7 +23,7 @@ Note: [Swapping through the local tensor]
 
 from __future__ import annotations
 
-import functools
+import sys
 
 import torch
 
@@ -35,18 +35,27 @@ from swap_pass.runtime.ownership import (
 )
 from swap_pass.runtime.skips import SkipReason, record_skip
 
-__all__ = ["claim_not_plain", "local_tensor", "subclass_nbytes", "wrapper_kinds"]
+__all__ = ["claim_not_plain", "is_async_collective", "is_dtensor", "local_tensor",
+           "subclass_nbytes"]
 
 
-@functools.cache
-def wrapper_kinds() -> tuple[type, ...]:
-    """The wrapper classes swapped through their local tensor: ``(DTensor,
-    AsyncCollectiveTensor)``, or ``()`` without ``torch.distributed``."""
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-    return (DTensor, AsyncCollectiveTensor)
+def _loaded_class(module: str, name: str) -> type | None:
+    """``module.name`` once ``module`` is imported; else None: no instance of it can exist yet,
+    and importing it here would cost every model."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (a parameter one too)."""
+    cls = _loaded_class("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(t, cls)
+
+
+def is_async_collective(t: torch.Tensor) -> bool:
+    """True for an ``AsyncCollectiveTensor`` (a functional collective's result)."""
+    cls = _loaded_class("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+    return cls is not None and isinstance(t, cls)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
@@ -56,17 +65,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
     ``AsyncCollectiveTensor``); an ``AsyncCollectiveTensor`` is waited for, then gives ``elem``.
     See Note: [Swapping through the local tensor].
     """
-    kinds = wrapper_kinds()
     for _ in range(4):  # a DTensor over an AsyncCollectiveTensor is two levels; no more nest
         if type(t) is torch.Tensor or is_guarded(t):  # a guarded one is plain, swapped out
             return t
-        if not kinds or not isinstance(t, kinds):
-            return None
-        if isinstance(t, kinds[0]):
+        if is_dtensor(t):
             t = t._local_tensor
-        else:
+        elif is_async_collective(t):
             t.trigger_wait()
             t = t.elem
+        else:
+            return None
     return None
 
 

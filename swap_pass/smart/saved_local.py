@@ -46,39 +46,13 @@ Note: [Saved AsyncCollectiveTensors]
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from swap_pass.runtime.skips import SkipReason
+from swap_pass.runtime.subclasses import is_async_collective, is_dtensor
 
 __all__ = ["completed_alias", "is_async_collective", "is_dtensor", "local_of",
            "state_tensors_local", "storage_nbytes", "wait_collective"]
-
-
-def _dtensor_type() -> type | None:
-    """``DTensor``'s class once ``torch.distributed.tensor`` is imported; else None (no
-    DTensor can exist, and importing it here would cost every model)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (a parameter one too)."""
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
-
-
-def _async_collective_type() -> type | None:
-    """``AsyncCollectiveTensor``'s class once functional collectives are imported; else None."""
-    module = sys.modules.get("torch.distributed._functional_collectives")
-    return getattr(module, "AsyncCollectiveTensor", None) if module is not None else None
-
-
-def is_async_collective(t: torch.Tensor) -> bool:
-    """True for an ``AsyncCollectiveTensor`` (a functional collective's result)."""
-    cls = _async_collective_type()
-    return cls is not None and isinstance(t, cls)
 
 
 def _collective_of(t: torch.Tensor) -> torch.Tensor | None:
