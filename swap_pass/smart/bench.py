@@ -42,8 +42,11 @@ class ResidentSavedBytes:
     Enter it inside whatever saved-tensor hooks are active (SmartSwap's, or none): it passes
     every pack and unpack through to them, keeps weak references to the storages packed (model
     parameters and buffers, views of parameters, and tensors without one plain storage excluded;
-    a ``DTensor``'s local storage counted) and after each pack and around each unpack sums their
-    ``untyped_storage().nbytes()`` (a swapped-out storage reads 0).
+    a ``DTensor``'s local storage counted) and after each pack and around each unpack sums the
+    ``untyped_storage().nbytes()`` (a swapped-out storage reads 0) of those that autograd still
+    holds a saved tensor of. A storage whose saved tensors autograd has all let go of (their
+    node's backward ran) no longer counts, even while it lives on: a pipeline stage's receive
+    buffer, say, kept for the next step after its micro-batch's backward.
 
     Args:
         model: Whose parameters and buffers are not activations.
@@ -52,6 +55,7 @@ class ResidentSavedBytes:
     def __init__(self, model: nn.Module) -> None:
         self.state = state_storage_ptrs(model)
         self.storages: dict[int, weakref.ref] = {}
+        self.saved: dict[int, list[weakref.ref]] = {}  # storage -> its packs autograd holds
         self.peak = 0
         self._hooks = None
 
@@ -60,19 +64,21 @@ class ResidentSavedBytes:
         pack, unpack = outer if outer is not None else (_identity, _identity)
 
         def counted_pack(t):
+            packed = _Packed(None)
             local = local_of(t)  # a DTensor's local tensor; sparse, nested: not counted
             if type(local) is not SkipReason and is_valid_for_swap(local):  # no parameter views
                 storage = local.untyped_storage()
                 if storage.data_ptr() not in self.state:
                     self.storages[storage._cdata] = weakref.ref(storage)
+                    self.saved.setdefault(storage._cdata, []).append(weakref.ref(packed))
                 del storage
-            handle = pack(t)
+            packed.handle = pack(t)
             self.sample()
-            return handle
+            return packed
 
-        def counted_unpack(handle):
+        def counted_unpack(packed):
             self.sample()
-            t = unpack(handle)
+            t = unpack(packed.handle)
             self.sample()
             return t
 
@@ -84,15 +90,29 @@ class ResidentSavedBytes:
         self._hooks.__exit__(*exc)
 
     def resident(self) -> int:
-        """Bytes of the packed storages now allocated."""
-        live = (ref() for ref in self.storages.values())
-        return sum(s.nbytes() for s in live if s is not None)
+        """Bytes of the packed storages now allocated that autograd still holds saved."""
+        total = 0
+        for key, ref in self.storages.items():
+            storage = ref()
+            if storage is not None and any(p() is not None for p in self.saved[key]):
+                total += storage.nbytes()
+        return total
 
     def sample(self) -> int:
         """Read :meth:`resident` and keep the peak."""
         value = self.resident()
         self.peak = max(self.peak, value)
         return value
+
+
+class _Packed:
+    """What :class:`ResidentSavedBytes` hands autograd: the inner hooks' handle; it lives as long
+    as autograd holds the saved tensor."""
+
+    __slots__ = ("__weakref__", "handle")
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
 
 
 def _identity(x):

@@ -121,16 +121,33 @@ class SmartExecutor:
         self._t_transfer = 0.0
         self._n_storages = 0
         self._inflight: list[Slot] = []  # swap_to_host issued, wait_d2h not yet
+        self._units: list[MicroBatch] = []  # this step's micro-batches, oldest first
         self._begin_micro_batch()
 
     def _begin_micro_batch(self) -> None:
-        """Reset the per-pass state: every micro-batch of a step runs the plan from its start."""
+        """Reset the per-pass state: every micro-batch of a step runs the plan from its start.
+
+        Note: [Micro-batches in flight]
+        A plan covers one micro-batch: its forward, then its backward. Gradient accumulation
+        runs them one after another, so the plan's budget holds for the step. A pipeline
+        schedule such as 1F1B runs a micro-batch's forward while earlier micro-batches still
+        wait for their backward: their saved tensors (what their plan kept on the device, and
+        what their prefetch brought back) come on top of the new micro-batch's plan, and the
+        step's resident peak can pass the budget. Each micro-batch records how many were in
+        flight when it began (``MicroBatchReport.in_flight``, ``StepReport.max_in_flight``), and
+        ``SmartSwap`` warns when that is more than one. GPipe-like schedules (every forward
+        before any backward) are one sequence to the executor and keep the budget.
+        """
         self._complete_inflight()
         self.mode = self.step_mode
         record = (self.mode == ExecMode.DETAILED
                   or (self.mode == ExecMode.PLANNED and self.record_planned))
+        self._units = [u for u in self._units if u.holds_saved()]
         self.unit = MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
                                 self.match_window, record)
+        self._units.append(self.unit)
+        self.unit.report.in_flight = len(self._units)
+        self.report.max_in_flight = max(self.report.max_in_flight, len(self._units))
         self.report.units.append(self.unit.report)
         self.report.micro_batches += 1
         self.backward = False

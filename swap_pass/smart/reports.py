@@ -39,6 +39,9 @@ class StepReport:
             ``PLANNED`` steps that record), else None.
         micro_batches: Forward + backward passes in the step (gradient accumulation).
         units: Per micro-batch: :class:`MicroBatchReport`.
+        max_in_flight: Most micro-batches whose saved tensors autograd held at once (above 1: a
+            micro-batch's forward began before the backward of an earlier one had finished, as
+            in a 1F1B pipeline schedule; see Note: [Micro-batches in flight] in executor.py).
     """
 
     keys: list[int]
@@ -54,13 +57,15 @@ class StepReport:
     d2h_waits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     micro_batches: int = 0
     units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
+    max_in_flight: int = 1
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
         return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, "
                 f"matched={self.matched}, "
                 f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
                 f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "
-                f"fell_back={self.fell_back}, micro_batches={self.micro_batches})")
+                f"fell_back={self.fell_back}, micro_batches={self.micro_batches}, "
+                f"max_in_flight={self.max_in_flight})")
 
 
 @dataclasses.dataclass
@@ -75,6 +80,8 @@ class MicroBatchReport:
             Note: [Choosing a cached plan mid-step]).
         by_structure: The plan it ran was made for another length of the same structure.
         fell_back: It turned conservative after ``miss_limit`` unmatched tensors.
+        in_flight: Micro-batches of the step whose saved tensors autograd held when it began,
+            itself included.
     """
 
     keys: list[int]
@@ -83,8 +90,9 @@ class MicroBatchReport:
     switched: bool = False
     by_structure: bool = False
     fell_back: bool = False
+    in_flight: int = 1
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
         return (f"MicroBatchReport(saved={len(self.keys)}, plan={self.plan!r}, "
                 f"switched={self.switched}, by_structure={self.by_structure}, "
-                f"fell_back={self.fell_back})")
+                f"fell_back={self.fell_back}, in_flight={self.in_flight})")

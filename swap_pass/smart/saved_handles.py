@@ -81,6 +81,10 @@ class MicroBatch:
     def profile(self) -> DetailedProfile | None:
         return self.report.profile
 
+    def holds_saved(self) -> bool:
+        """True while autograd still holds a tensor this micro-batch saved through a handle."""
+        return any(ref is not None and ref() is not None for ref in self.handles)
+
     def entry_swap(self, pos: int) -> bool:
         return self.policy.entries[pos].swap
 

@@ -16,6 +16,9 @@ the resident saved bytes against the budget) to ``rank{r}.json``.
   ``tests/distributed/dist_worker.py`` (its tiny Llama-style model; DDP, FSDP2 with
   ``checkpoint_wrapper`` on each block, and tensor parallel without SP, where the first block
   gets, and its norm saves, an ``AsyncCollectiveTensor``).
+* ``pp-gpipe``, ``pp-1f1b``: one pipeline stage per rank (``torch.distributed.pipelining``,
+  ``tests/eager/pp_worker.py``'s tiny Llama, 4 micro-batches), ``SmartSwap`` over the rank's
+  stage module around the schedule's whole step.
 
 ``run(..., setup=...)`` trains other models the same way (torchtitan's, in
 ``tests/integrations/torchtitan_dist_worker.py``).
@@ -25,12 +28,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic"]
+RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic", "pp-gpipe", "pp-1f1b"]
 TITAN_RUNS = ("ddp", "fsdp2-ac", "tp-classic")  # built by tests/distributed/dist_worker.py
 STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
 BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
@@ -152,7 +156,9 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def setup_of(run: str, rank: int, mesh):
     """``(model, batch, loss)`` of ``run``: ``batch(step)`` is the step's ``(input, *rest)``,
-    ``loss(output, *rest)`` its loss."""
+    ``loss(output, *rest)`` its loss. A fourth element, if any, runs the step's forward and
+    backward itself (``forward_backward(batch, counter, smart, out)`` returns the losses; a
+    pipeline schedule's step): the model is then the module SmartSwap is entered on."""
     if run in TITAN_RUNS:
         from tests.distributed import dist_worker as parallel
         from tests.distributed import models
@@ -160,6 +166,8 @@ def setup_of(run: str, rank: int, mesh):
         same_data = run.startswith("tp")  # TP ranks share the batch
         return model, lambda step: models.batch(step if same_data else 100 * step + rank), \
             models.loss_of
+    if run.startswith("pp-"):
+        return _pipeline(run, rank)
     model = _parallelize(Net(), run, mesh)
     return model, lambda step: (_batch(run, rank, step, mesh),), _loss
 
@@ -170,54 +178,112 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _train(run: str, rank: int, mesh, smart_budget: float | None, setup=setup_of) -> dict:
     import swap_pass
-    from swap_pass.smart.bench import ResidentSavedBytes
-    model, batch_of, loss_of = setup(run, rank, mesh)
+    model, batch_of, loss_of, *custom = setup(run, rank, mesh)
+    forward_backward = custom[0] if custom else _forward_backward(model, loss_of)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [],
-           "inputs_intact": True}
+           "in_flight": [], "inputs_intact": True}
     smart = swap_pass.SmartSwap(model, memory_budget=smart_budget) if smart_budget else None
     if smart is not None:
         smart.__enter__()
     try:
-        for step in range(STEPS):
-            x, *rest = batch = batch_of(step)
-            batch_before = [_local(t) for t in batch]
-            before = swap_pass.swap_stats().swapped_out_bytes
-            stage = smart.stage.value if smart is not None else "none"
-            with ResidentSavedBytes(model) as counter, SavedSpy() as spy:
-                loss = loss_of(model(x), *rest)
-                counter.sample()
-                at_backward = []
-                loss.register_hook(lambda g, seen=at_backward: seen.append(spy.freed()))
-                if smart is not None:  # FSDP2's all-gathered parameters are never ours
-                    out["params_tracked"] = out.get("params_tracked", 0) + len(
-                        _tracked_storages(smart) & set(spy.param_storages))
-                    out["params_saved"] = out.get("params_saved", 0) + len(spy.param_storages)
-                loss.backward()
-            for kind, freed in at_backward[0].items():
-                out.setdefault(f"{kind}s_freed", []).append(freed)
-            out["losses"].append(loss.detach().clone())
-            out["grads"].append([_local(p.grad) for p in model.parameters()])
-            out["inputs_intact"] &= all(torch.equal(_local(t), b)
-                                        for t, b in zip(batch, batch_before, strict=True))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if smart is not None:
-                smart.step()
-            out["released"].append(swap_pass.swap_stats().swapped_out_bytes - before)
-            out["peaks"].append(counter.peak)
-            out["stages"].append(stage)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(STEPS):
+                out["stages"].append(smart.stage.value if smart is not None else "none")
+                _train_step(model, batch_of(step), forward_backward, opt, smart, out)
     finally:
         if smart is not None:
             smart.__exit__(None, None, None)
     out["params"] = [_local(p) for p in model.parameters()]
     if smart is not None:
         out["budget_bytes"] = smart.policy.budget_bytes
+        out["plan_budgets"] = sorted(p.budget_bytes for p in smart.plan_cache.plans())
         out["feasible"] = smart.policy.feasible
         out["plan"] = smart.policy.summary()
     out["host_bytes_in_use"] = swap_pass.swap_stats().host_bytes_in_use
     out["skipped"] = dict(swap_pass.swap_stats().skipped_bytes)
+    out["warnings"] = [str(w.message) for w in caught if "swap_pass" in str(w.message)]
     return out
+
+
+def _train_step(model: nn.Module, batch: tuple, forward_backward, opt, smart, out: dict) -> None:
+    """One optimizer step on ``batch``; what it did appended to ``out``."""
+    import swap_pass
+    from swap_pass.smart.bench import ResidentSavedBytes
+    batch_before = [_local(t) for t in batch]
+    before = swap_pass.swap_stats().swapped_out_bytes
+    with ResidentSavedBytes(model) as counter:
+        losses = forward_backward(batch, counter, smart, out)
+    out["losses"] += [loss.detach().clone() for loss in losses]
+    out["grads"].append([_local(p.grad) for p in model.parameters()])
+    out["inputs_intact"] &= all(torch.equal(_local(t), b)
+                                for t, b in zip(batch, batch_before, strict=True))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if smart is not None:
+        smart.step()
+        out["in_flight"].append(smart.last_report.max_in_flight)
+    out["released"].append(swap_pass.swap_stats().swapped_out_bytes - before)
+    out["peaks"].append(counter.peak)
+
+
+def _forward_backward(model: nn.Module, loss_of):
+    """One step's forward and backward of ``model`` on ``(input, *rest)``: its losses (one);
+    also what :class:`SavedSpy` saw freed at backward's start, and FSDP2's all-gathered
+    parameters SmartSwap tracks, in ``out``."""
+
+    def forward_backward(batch, counter, smart, out: dict) -> list[torch.Tensor]:
+        x, *rest = batch
+        with SavedSpy() as spy:
+            loss = loss_of(model(x), *rest)
+            counter.sample()
+            at_backward = []
+            loss.register_hook(lambda g, seen=at_backward: seen.append(spy.freed()))
+            if smart is not None:  # FSDP2's all-gathered parameters are never ours
+                out["params_tracked"] = out.get("params_tracked", 0) + len(
+                    _tracked_storages(smart) & set(spy.param_storages))
+                out["params_saved"] = out.get("params_saved", 0) + len(spy.param_storages)
+            loss.backward()
+        for kind, freed in at_backward[0].items():
+            out.setdefault(f"{kind}s_freed", []).append(freed)
+        return [loss]
+    return forward_backward
+
+
+def _pipeline(run: str, rank: int) -> tuple:
+    """``pp-gpipe``, ``pp-1f1b``: this rank's stage of ``tests/eager/pp_worker.py``'s tiny Llama
+    (4 of 8 layers, the first stage embeds, the last projects) under ``ScheduleGPipe`` or
+    ``Schedule1F1B``, ``MICROBATCHES`` micro-batches per step: ``(stage module, batch, None,
+    forward_backward)``, the schedule running every micro-batch's forward and backward.
+
+    The stages get their input and output shapes up front (static metadata): without them
+    torch 2.13 infers the shapes with a forward of the first micro-batch on the first step,
+    whose autograd graph the first stage keeps alive for good, with and without swap_pass
+    (and with SmartSwap, the host copies of what it swapped of it)."""
+    from torch.distributed import pipelining
+
+    from swap_pass.models import LlamaDecoderLayer, make_batch
+    from tests.eager import pp_worker as pp
+    cfg, per, micro = pp._cfg(), pp.NUM_LAYERS // 2, pp.BATCH // pp.MICROBATCHES
+    module = pp.Stage(cfg, rank * per, (rank + 1) * per, LlamaDecoderLayer, recompute=False)
+    hidden = torch.empty(micro, pp.SEQ, cfg.hidden_size, requires_grad=True)
+    inputs = torch.zeros(micro, pp.SEQ, dtype=torch.long) if rank == 0 else hidden
+    outputs = hidden if rank == 0 else torch.empty(micro, pp.SEQ, cfg.vocab_size)
+    stage = pipelining.PipelineStage(module, rank, 2, torch.device("cpu"), input_args=inputs,
+                                     output_args=outputs)
+    schedule = {"pp-gpipe": pipelining.ScheduleGPipe, "pp-1f1b": pipelining.Schedule1F1B}[run]
+    sched = schedule(stage, n_microbatches=pp.MICROBATCHES, loss_fn=pp._loss)
+
+    def batch_of(step: int) -> tuple:
+        return make_batch(cfg, pp.BATCH, pp.SEQ, seed=step)
+
+    def forward_backward(batch, counter, smart, out: dict) -> list[torch.Tensor]:
+        ids, labels = batch
+        losses: list[torch.Tensor] = []  # the last stage's, one per micro-batch
+        sched.step(*([ids] if rank == 0 else []), target=labels, losses=losses)
+        return losses
+    return module, batch_of, None, forward_backward
 
 
 def _compare(ref: dict, got: dict) -> dict:
@@ -234,8 +300,10 @@ def _compare(ref: dict, got: dict) -> dict:
         "budget_bytes": got["budget_bytes"], "feasible": got["feasible"], "plan": got["plan"],
         "inputs_intact": got["inputs_intact"] and ref["inputs_intact"],
         "host_bytes_in_use": got["host_bytes_in_use"],
-        "dtensors_freed": got["dtensors_freed"], "collectives_freed": got["collectives_freed"],
-        "params_tracked": got["params_tracked"], "params_saved": got["params_saved"],
+        "n_losses": len(got["losses"]), "in_flight": got["in_flight"],
+        "warnings": got["warnings"], "plan_budgets": got["plan_budgets"],
+        **{k: got[k] for k in ("dtensors_freed", "collectives_freed", "params_tracked",
+                                "params_saved") if k in got},
         "skipped": {str(k): v for k, v in got["skipped"].items()},
     }
 
@@ -245,8 +313,6 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
     """Entry point for ``torch.multiprocessing.spawn``: each of ``runs`` (default :data:`RUNS`)
     without and with ``SmartSwap(model, memory_budget=budget)``; ``setup`` builds them (default
     :func:`setup_of`; a module-level function, to reach the spawned ranks)."""
-    import warnings
-
     from torch.distributed.device_mesh import init_device_mesh
 
     import swap_pass

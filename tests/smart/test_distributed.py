@@ -1,12 +1,14 @@
-"""SmartSwap on DDP, FSDP2 (also with ``checkpoint_wrapper``), tensor + sequence parallel and
-classic tensor parallel models: 2 gloo ranks spawned for real.
+"""SmartSwap on DDP, FSDP2 (also with ``checkpoint_wrapper``), tensor + sequence parallel,
+classic tensor parallel and pipeline-parallel (``ScheduleGPipe``, ``Schedule1F1B``, one stage per
+rank) models: 2 gloo ranks spawned for real.
 
 The worker (``dist_worker.py``) trains each setup with and without SmartSwap (``memory_budget=0.5``)
 for 4 AdamW steps; here every rank must report: every loss, gradient and parameter bitwise equal,
 bytes released in every step, the resident saved bytes of the planned steps within the budget,
 nothing left on the host, nothing kept as a tensor subclass, and, per setup, what SmartSwap must
 (not) touch: FSDP2's all-gathered parameter storages never tracked, saved DTensor activations
-freed through their local tensors, saved ``AsyncCollectiveTensor`` s through their waited results.
+freed through their local tensors, saved ``AsyncCollectiveTensor`` s through their waited results,
+and how many micro-batches held saved tensors at once (pipeline schedules; one elsewhere).
 Under ``SWAP_PASS_STREAM_MODEL=1`` the SmartSwap runs go under ``swap_pass.testing.stream_model``
 and report its hazards.
 """
@@ -19,6 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed.spawn import free_port, spawn_with_deadline
+from tests.eager import pp_worker
 from tests.smart import dist_worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -36,9 +39,39 @@ def results(tmp_path_factory) -> list[dict]:
     return ranks
 
 
-@pytest.mark.parametrize("run", dist_worker.RUNS)
+@pytest.mark.parametrize("run", [r for r in dist_worker.RUNS if r != "pp-1f1b"])
 def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(results, run):
     check(results, run)
+    for rank, per_run in enumerate(results):
+        assert per_run[run]["in_flight"] == [1] * dist_worker.STEPS, (rank, per_run[run])
+
+
+def test_pipeline_losses_are_the_last_stages_one_per_micro_batch(results):
+    for run in ("pp-gpipe", "pp-1f1b"):
+        assert [per_run[run]["n_losses"] for per_run in results] == [
+            0, dist_worker.STEPS * pp_worker.MICROBATCHES]
+
+
+def test_1f1b_is_exact_and_warns_where_micro_batches_overlap(results):
+    """``Schedule1F1B`` on 2 stages: the first stage runs 2 micro-batches' forwards before the
+    first backward and one forward between backwards after that, so 2 micro-batches hold saved
+    tensors at once there; the last stage runs each backward right after its forward. Where
+    they overlap, a micro-batch's plan keeps its own budget but not the step's (Note:
+    [Micro-batches in flight] in executor.py): SmartSwap says so, once; the step still keeps
+    less than without swap. Where they do not, the step is within budget."""
+    for rank, per_run in enumerate(results):
+        res = per_run["pp-1f1b"]
+        in_flight = 2 - rank  # stages from this one to the last
+        assert res["in_flight"] == [in_flight] * dist_worker.STEPS, (rank, res)
+        if in_flight == 1:
+            check_within_budget(res, rank)
+            assert res["warnings"] == [], (rank, res)
+            continue
+        check_exact(res, rank)
+        stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
+        assert max(stable) < max(res["unswapped_peaks"]), (rank, res)
+        assert len(res["warnings"]) == 1 and "micro-batches overlapped" in res["warnings"][0] \
+            and f": {in_flight} held saved tensors at once" in res["warnings"][0], (rank, res)
 
 
 def check(results: list[dict], run: str, *, binding: bool = True) -> None:
@@ -47,17 +80,29 @@ def check(results: list[dict], run: str, *, binding: bool = True) -> None:
     ``binding``: the budget is below the measured unswapped peak of saved activations (else
     only the planned steps' measured peak is, and within the budget)."""
     for rank, per_run in enumerate(results):
-        res = per_run[run]
-        assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
-        assert all(b > 0 for b in res["released"]), (rank, res["released"])
-        assert res["stages"][-2:] == ["stable", "stable"] and res["feasible"], (rank, res)
-        stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
-        ceiling = res["budget_bytes"] if binding else max(stable)
-        assert all(p <= res["budget_bytes"] for p in stable), (rank, res)
-        assert ceiling < max(res["unswapped_peaks"]), (rank, res)
-        assert res["host_bytes_in_use"] == 0 and res["inputs_intact"], (rank, res)
-        assert "subclass" not in res["skipped"], (rank, res["skipped"])
-        assert res.get("hazards", []) == [], (rank, res["hazards"])  # SWAP_PASS_STREAM_MODEL=1
+        check_within_budget(per_run[run], rank, binding=binding)
+
+
+def check_within_budget(res: dict, rank: int, *, binding: bool = True) -> None:
+    """One rank's run: :func:`check_exact`, and the planned steps' resident saved bytes within
+    the budget (see :func:`check` for ``binding``)."""
+    check_exact(res, rank)
+    stable = [p for p, s in zip(res["peaks"], res["stages"], strict=True) if s == "stable"]
+    ceiling = res["budget_bytes"] if binding else max(stable)
+    assert all(p <= res["budget_bytes"] for p in stable), (rank, res)
+    assert ceiling < max(res["unswapped_peaks"]), (rank, res)
+
+
+def check_exact(res: dict, rank: int) -> None:
+    """One rank's run: every loss, gradient and parameter bitwise equal, bytes released in every
+    step, two planned steps of a feasible plan, nothing left on the host, the batch intact,
+    nothing kept as a tensor subclass, no stream hazard."""
+    assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
+    assert all(b > 0 for b in res["released"]), (rank, res["released"])
+    assert res["stages"][-2:] == ["stable", "stable"] and res["feasible"], (rank, res)
+    assert res["host_bytes_in_use"] == 0 and res["inputs_intact"], (rank, res)
+    assert "subclass" not in res["skipped"], (rank, res["skipped"])
+    assert res.get("hazards", []) == [], (rank, res["hazards"])  # SWAP_PASS_STREAM_MODEL=1
 
 
 @pytest.mark.parametrize("run", [r for r in dist_worker.RUNS if r.startswith("fsdp2")])
