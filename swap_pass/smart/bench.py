@@ -46,7 +46,10 @@ class ResidentSavedBytes:
     ``untyped_storage().nbytes()`` (a swapped-out storage reads 0) of those that autograd still
     holds a saved tensor of. A storage whose saved tensors autograd has all let go of (their
     node's backward ran) no longer counts, even while it lives on: a pipeline stage's receive
-    buffer, say, kept for the next step after its micro-batch's backward.
+    buffer, say, kept for the next step after its micro-batch's backward. Tensors saved while
+    the autograd engine runs (a reentrant checkpoint's recompute inside backward, which SmartSwap
+    leaves to autograd) are passed through and not counted: the figure is of what the forward
+    saved.
 
     Args:
         model: Whose parameters and buffers are not activations.
@@ -66,7 +69,9 @@ class ResidentSavedBytes:
         def counted_pack(t):
             packed = _Packed(None)
             local = local_of(t)  # a DTensor's local tensor; sparse, nested: not counted
-            if type(local) is not SkipReason and is_valid_for_swap(local):  # no parameter views
+            in_backward = torch._C._current_graph_task_id() != -1
+            # no parameter views, nothing saved by a recompute inside backward
+            if not in_backward and type(local) is not SkipReason and is_valid_for_swap(local):
                 storage = local.untyped_storage()
                 if storage.data_ptr() not in self.state:
                     self.storages[storage._cdata] = weakref.ref(storage)

@@ -22,13 +22,17 @@ STEPS, LAYERS, TP = 3, 4, 2
 # (recompute_method, recompute_num_layers): uniform, one layer per checkpoint (every layer's
 # input kept, every layer swapped); block, the first two layers checkpointed, the rest plain.
 SETUPS = {"full-uniform": ("uniform", 1), "full-block": ("block", 2)}
+# Under SmartSwap (run_smart): without recompute, and full recompute of every layer.
+SMART_SETUPS = {"none": None, "full-uniform": ("uniform", 1)}
+SMART_BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
 
 
-def _build(setup: str):
+def _build(setup: str, setups: dict = SETUPS):
     from tests.integrations import megatron_cpu as mc
-    method, k = SETUPS[setup]
-    cfg = mc.make_config(num_layers=LAYERS, recompute="full", method=method, recompute_layers=k,
-                         tensor_model_parallel_size=TP, sequence_parallel=True)
+    method, k = setups[setup] or (None, 1)
+    cfg = mc.make_config(num_layers=LAYERS, recompute="full" if method else "none",
+                         method=method, recompute_layers=k, tensor_model_parallel_size=TP,
+                         sequence_parallel=True)
     return mc.make_gpt(cfg, spec=mc.sequence_parallel_spec(cfg))
 
 
@@ -107,6 +111,35 @@ def _compare(ref: dict, got: dict) -> dict:
                                 "released", "swapped_in", "skipped", "clean", "warnings")},
         "intact": got["intact"] and ref["intact"],
     }
+
+
+def smart_setup(setup: str, rank: int, mesh) -> tuple:
+    """``tests.smart.dist_worker``'s ``(model, batch, None, forward_backward)`` for ``setup`` of
+    :data:`SMART_SETUPS` (``mesh`` unused: Megatron's groups are its own); both TP ranks share
+    the batch; a step is :func:`_step` (seeded, the sequence-parallel norm gradients summed)."""
+    from megatron.core import parallel_state
+
+    from tests.integrations import megatron_cpu as mc
+    if not parallel_state.model_parallel_is_initialized():
+        mc.init_parallel(tp=TP)
+    model = _build(setup, SMART_SETUPS)
+    keys = ("input_ids", "position_ids", "attention_mask", "labels")
+    steps = iter(range(10**6))
+
+    def forward_backward(batch, counter, smart, out: dict) -> list[torch.Tensor]:
+        return [_step(model, dict(zip(keys, batch, strict=True)), seed=7 + next(steps))]
+    return model, lambda step: tuple(mc.make_batch(seed=step)[k] for k in keys), None, \
+        forward_backward
+
+
+def run_smart(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
+    """Entry point for ``torch.multiprocessing``: ``setups`` (of :data:`SMART_SETUPS`) without
+    and with ``SmartSwap``, by ``tests.smart.dist_worker``."""
+    from tests.integrations import megatron_cpu as mc
+    from tests.smart import dist_worker
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    with mc.cpu_shims():
+        dist_worker.run(rank, world, port, out_dir, setups, smart_setup, SMART_BUDGET)
 
 
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:

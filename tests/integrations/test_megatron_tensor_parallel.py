@@ -8,6 +8,11 @@ forward; bytes released on this rank exactly those inputs' (this rank's sequence
 ``[seq / 2, batch, hidden]``); nothing pending; the batch intact; no warning. Under
 ``SWAP_PASS_STREAM_MODEL=1`` the ranks run their swapped steps under
 ``swap_pass.testing.stream_model`` and report its hazards.
+
+One more rank pair runs the same model without recompute and with full recompute of every layer
+under ``SmartSwap`` (``megatron_tp_worker.SMART_SETUPS``), with the checks of
+``tests/smart/test_distributed.py``: exact, bytes released every step on every rank, the planned
+steps' resident saved bytes within the budget.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ pytest.importorskip("megatron.core",
 from tests.distributed.spawn import spawn_ranks  # noqa: E402
 from tests.integrations import megatron_cpu as mc  # noqa: E402
 from tests.integrations import megatron_tp_worker as worker  # noqa: E402
+from tests.smart.test_distributed import check as check_smart  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -54,3 +60,23 @@ def test_tensor_sequence_parallel_full_recompute_exact_and_swapped(reports, setu
     # and hold the same replicated norm weights (their gradients summed over the TP group).
     assert reports[0][setup]["losses"] == reports[1][setup]["losses"]
     assert reports[0][setup]["final_norm"] == reports[1][setup]["final_norm"]
+
+
+@pytest.fixture(scope="module")
+def smart_reports(tmp_path_factory) -> list[dict]:
+    ranks = spawn_ranks(worker.run_smart, worker.TP, tmp_path_factory.mktemp("megatron_smart"),
+                        list(worker.SMART_SETUPS), seconds=420)
+    for report in ranks:
+        assert "error" not in report, report["error"]
+    return ranks
+
+
+@pytest.mark.parametrize("setup", list(worker.SMART_SETUPS))
+def test_tensor_sequence_parallel_under_smartswap_exact_within_budget(smart_reports, setup):
+    check_smart(smart_reports, setup)
+    for rank, report in enumerate(smart_reports):
+        res = report[setup]
+        assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
+        assert res["in_flight"] == [1] * len(res["stages"]), (rank, res)
+    # Both TP ranks hold the same sequence shard sizes: the same bytes leave on each.
+    assert smart_reports[0][setup]["released"] == smart_reports[1][setup]["released"]
