@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic", "pp-gpipe", "pp-1f1b"]
+PP_FSDP_RUNS = ["pp-fsdp2-gpipe", "pp-fsdp2-1f1b"]  # on 4 ranks
 TITAN_RUNS = ("ddp", "fsdp2-ac", "tp-classic")  # built by tests/distributed/dist_worker.py
 STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
 BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
@@ -166,6 +167,8 @@ def setup_of(run: str, rank: int, mesh):
         same_data = run.startswith("tp")  # TP ranks share the batch
         return model, lambda step: models.batch(step if same_data else 100 * step + rank), \
             models.loss_of
+    if run.startswith("pp-fsdp2-"):
+        return _pipeline_fsdp(run, rank)
     if run.startswith("pp-"):
         return _pipeline(run, rank)
     model = _parallelize(Net(), run, mesh)
@@ -255,35 +258,71 @@ def _pipeline(run: str, rank: int) -> tuple:
     """``pp-gpipe``, ``pp-1f1b``: this rank's stage of ``tests/eager/pp_worker.py``'s tiny Llama
     (4 of 8 layers, the first stage embeds, the last projects) under ``ScheduleGPipe`` or
     ``Schedule1F1B``, ``MICROBATCHES`` micro-batches per step: ``(stage module, batch, None,
-    forward_backward)``, the schedule running every micro-batch's forward and backward.
+    forward_backward)``, the schedule running every micro-batch's forward and backward."""
+    from swap_pass.models import LlamaDecoderLayer, make_batch
+    from tests.eager import pp_worker as pp
+    cfg, per = pp._cfg(), pp.NUM_LAYERS // 2
+    module = pp.Stage(cfg, rank * per, (rank + 1) * per, LlamaDecoderLayer, recompute=False)
+    forward_backward = _schedule(run.removeprefix("pp-"), module, rank, pp.MICROBATCHES,
+                                 (pp.BATCH // pp.MICROBATCHES, pp.SEQ), cfg.hidden_size,
+                                 cfg.vocab_size, pp._loss)
+    return module, lambda step: make_batch(cfg, pp.BATCH, pp.SEQ, seed=step), None, \
+        forward_backward
+
+
+_MESHES: dict = {}
+
+
+def _pipeline_fsdp(run: str, rank: int) -> tuple:
+    """``pp-fsdp2-gpipe``, ``pp-fsdp2-1f1b`` on 4 ranks: ``tests/distributed/pp_fsdp_worker.py``'s
+    stages (2 stages x 2-way ``fully_shard`` per block and stage, mesh ``("pp", "dp")``), under
+    ``ScheduleGPipe`` or ``Schedule1F1B``; each data-parallel rank its own batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.distributed import models as m
+    from tests.distributed import pp_fsdp_worker as pf
+    world = dist.get_world_size()
+    if world not in _MESHES:  # one mesh (its process groups) for every run of the process
+        _MESHES[world] = init_device_mesh("cpu", (pf.STAGES, world // pf.STAGES),
+                                          mesh_dim_names=("pp", "dp"))
+    mesh = _MESHES[world]
+    stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    module = pf.StageModel(stage)
+    for block in module.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    forward_backward = _schedule(run.removeprefix("pp-fsdp2-"), module, stage, pf.MICROBATCHES,
+                                 (pf.BATCH // pf.MICROBATCHES, m.SEQ), m.DIM, m.VOCAB,
+                                 m.loss_of, group=mesh["pp"].get_group())
+    return module, lambda step: pf._batch(step, dp_rank), None, forward_backward
+
+
+def _schedule(name: str, module: nn.Module, stage: int, micro_batches: int, tokens: tuple,
+              dim: int, vocab: int, loss_fn, group=None):
+    """``forward_backward`` of a 2-stage pipeline schedule (``"gpipe"`` or ``"1f1b"``) over
+    ``module``, stage ``stage``: ``(tokens, labels)`` in, the last stage's losses out (one per
+    micro-batch of ``tokens`` shape).
 
     The stages get their input and output shapes up front (static metadata): without them
     torch 2.13 infers the shapes with a forward of the first micro-batch on the first step,
     whose autograd graph the first stage keeps alive for good, with and without swap_pass
     (and with SmartSwap, the host copies of what it swapped of it)."""
     from torch.distributed import pipelining
-
-    from swap_pass.models import LlamaDecoderLayer, make_batch
-    from tests.eager import pp_worker as pp
-    cfg, per, micro = pp._cfg(), pp.NUM_LAYERS // 2, pp.BATCH // pp.MICROBATCHES
-    module = pp.Stage(cfg, rank * per, (rank + 1) * per, LlamaDecoderLayer, recompute=False)
-    hidden = torch.empty(micro, pp.SEQ, cfg.hidden_size, requires_grad=True)
-    inputs = torch.zeros(micro, pp.SEQ, dtype=torch.long) if rank == 0 else hidden
-    outputs = hidden if rank == 0 else torch.empty(micro, pp.SEQ, cfg.vocab_size)
-    stage = pipelining.PipelineStage(module, rank, 2, torch.device("cpu"), input_args=inputs,
-                                     output_args=outputs)
-    schedule = {"pp-gpipe": pipelining.ScheduleGPipe, "pp-1f1b": pipelining.Schedule1F1B}[run]
-    sched = schedule(stage, n_microbatches=pp.MICROBATCHES, loss_fn=pp._loss)
-
-    def batch_of(step: int) -> tuple:
-        return make_batch(cfg, pp.BATCH, pp.SEQ, seed=step)
+    hidden = torch.empty(*tokens, dim, requires_grad=True)
+    inputs = torch.zeros(tokens, dtype=torch.long) if stage == 0 else hidden
+    outputs = hidden if stage == 0 else torch.empty(*tokens, vocab)
+    pipe = pipelining.PipelineStage(module, stage, 2, torch.device("cpu"), input_args=inputs,
+                                    output_args=outputs, group=group)
+    schedule = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[name]
+    sched = schedule(pipe, n_microbatches=micro_batches, loss_fn=loss_fn)
 
     def forward_backward(batch, counter, smart, out: dict) -> list[torch.Tensor]:
         ids, labels = batch
         losses: list[torch.Tensor] = []  # the last stage's, one per micro-batch
-        sched.step(*([ids] if rank == 0 else []), target=labels, losses=losses)
+        sched.step(*([ids] if stage == 0 else []), target=labels, losses=losses)
         return losses
-    return module, batch_of, None, forward_backward
+    return forward_backward
 
 
 def _compare(ref: dict, got: dict) -> dict:

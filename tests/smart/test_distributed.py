@@ -1,6 +1,7 @@
 """SmartSwap on DDP, FSDP2 (also with ``checkpoint_wrapper``), tensor + sequence parallel,
 classic tensor parallel and pipeline-parallel (``ScheduleGPipe``, ``Schedule1F1B``, one stage per
-rank) models: 2 gloo ranks spawned for real.
+rank) models: 2 gloo ranks spawned for real; pipeline x FSDP2 (2 stages x 2-way ``fully_shard``)
+on 4 more.
 
 The worker (``dist_worker.py``) trains each setup with and without SmartSwap (``memory_budget=0.5``)
 for 4 AdamW steps; here every rank must report: every loss, gradient and parameter bitwise equal,
@@ -20,6 +21,7 @@ import json
 import pytest
 import torch.distributed as dist
 
+from tests.distributed import pp_fsdp_worker
 from tests.distributed.spawn import free_port, spawn_with_deadline
 from tests.eager import pp_worker
 from tests.smart import dist_worker
@@ -46,6 +48,18 @@ def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(resul
         assert per_run[run]["in_flight"] == [1] * dist_worker.STEPS, (rank, per_run[run])
 
 
+@pytest.fixture(scope="module")
+def pp_fsdp_results(tmp_path_factory) -> list[dict]:
+    """``dist_worker.PP_FSDP_RUNS`` on 4 ranks: 2 pipeline stages x 2-way FSDP2."""
+    out = tmp_path_factory.mktemp("smart_pp_fsdp")
+    spawn_with_deadline(dist_worker.run, (4, free_port(), str(out), dist_worker.PP_FSDP_RUNS),
+                        nprocs=4, seconds=280)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in ranks:
+        assert "error" not in r, r["error"]
+    return ranks
+
+
 def test_pipeline_losses_are_the_last_stages_one_per_micro_batch(results):
     for run in ("pp-gpipe", "pp-1f1b"):
         assert [per_run[run]["n_losses"] for per_run in results] == [
@@ -53,15 +67,29 @@ def test_pipeline_losses_are_the_last_stages_one_per_micro_batch(results):
 
 
 def test_1f1b_is_exact_and_warns_where_micro_batches_overlap(results):
-    """``Schedule1F1B`` on 2 stages: the first stage runs 2 micro-batches' forwards before the
-    first backward and one forward between backwards after that, so 2 micro-batches hold saved
-    tensors at once there; the last stage runs each backward right after its forward. Where
-    they overlap, a micro-batch's plan keeps its own budget but not the step's (Note:
-    [Micro-batches in flight] in executor.py): SmartSwap says so, once; the step still keeps
-    less than without swap. Where they do not, the step is within budget."""
-    for rank, per_run in enumerate(results):
-        res = per_run["pp-1f1b"]
-        in_flight = 2 - rank  # stages from this one to the last
+    check_1f1b(results, "pp-1f1b", [0, 1])
+
+
+def test_pipeline_x_fsdp2_under_smartswap(pp_fsdp_results):
+    """GPipe: exact within budget on all 4 ranks; 1F1B: as :func:`check_1f1b` per stage."""
+    check(pp_fsdp_results, "pp-fsdp2-gpipe")
+    check_1f1b(pp_fsdp_results, "pp-fsdp2-1f1b", [0, 0, 1, 1])
+    for run in dist_worker.PP_FSDP_RUNS:
+        losses = dist_worker.STEPS * pp_fsdp_worker.MICROBATCHES  # the last stage's
+        assert [per_run[run]["n_losses"] for per_run in pp_fsdp_results] == [0, 0] + [losses] * 2
+
+
+def check_1f1b(results: list[dict], run: str, stages: list[int]) -> None:
+    """``Schedule1F1B`` on 2 stages (``stages``: each rank's): the first stage runs 2
+    micro-batches' forwards before the first backward and one forward between backwards after
+    that, so 2 micro-batches hold saved tensors at once there; the last stage runs each backward
+    right after its forward. Where they overlap, a micro-batch's plan keeps its own budget but
+    not the step's (Note: [Micro-batches in flight] in executor.py): SmartSwap says so, once;
+    the step still keeps less than without swap. Where they do not, the step is within
+    budget."""
+    for rank, (per_run, stage) in enumerate(zip(results, stages, strict=True)):
+        res = per_run[run]
+        in_flight = 2 - stage  # stages from this one to the last
         assert res["in_flight"] == [in_flight] * dist_worker.STEPS, (rank, res)
         if in_flight == 1:
             check_within_budget(res, rank)
