@@ -129,20 +129,25 @@ class SmartExecutor:
 
         Note: [Micro-batches in flight]
         A plan covers one micro-batch: its forward, then its backward. Gradient accumulation
-        runs them one after another, so the plan's budget holds for the step. A pipeline
-        schedule such as 1F1B runs a micro-batch's forward while earlier micro-batches still
-        wait for their backward: their saved tensors (what their plan kept on the device, and
-        what their prefetch brought back) come on top of the new micro-batch's plan, and the
-        step's resident peak can pass the budget. Each micro-batch records how many were in
-        flight when it began (``MicroBatchReport.in_flight``, ``StepReport.max_in_flight``), and
-        ``SmartSwap`` warns when that is more than one. GPipe-like schedules (every forward
-        before any backward) are one sequence to the executor and keep the budget.
+        runs them one after another. A pipeline schedule such as 1F1B runs a micro-batch's
+        forward while earlier micro-batches still wait for their backward: what their plans
+        kept on the device for that backward would come on top of the new micro-batch's plan,
+        and the step would pass the budget (on the first stage of a 2-stage 1F1B, 0.59 of the
+        unswapped peak at ``memory_budget=0.5``). So when a micro-batch begins, the storages
+        that earlier micro-batches still holding saved tensors keep on the device, and that
+        nobody but autograd holds, go to the host (:meth:`_evict`, waited for at once); they
+        come back at their unpack or their plan's prefetch. The earlier micro-batches' backward
+        restores then run next to the new micro-batch's kept tensors, which no plan models.
+        ``MicroBatchReport.in_flight``, ``StepReport.max_in_flight`` and
+        ``StepReport.evicted_bytes`` report it. GPipe-like schedules (every forward before any
+        backward) are one sequence to the executor and planned as one.
         """
         self._complete_inflight()
         self.mode = self.step_mode
         record = (self.mode == ExecMode.DETAILED
                   or (self.mode == ExecMode.PLANNED and self.record_planned))
         self._units = [u for u in self._units if u.holds_saved()]
+        self._evict(self._units)
         self.unit = MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
                                 self.match_window, record)
         self._units.append(self.unit)
@@ -155,6 +160,32 @@ class SmartExecutor:
         self._pending: list[weakref.ref] = []  # slots waiting for their last holder to let go
         self._kept: list[weakref.ref] = []  # tracked slots a planned step keeps on the device
         self._miss_streak = 0
+
+    def _evict(self, units: list[MicroBatch]) -> None:
+        """Move to the host what ``units`` (earlier micro-batches still waiting for their
+        backward) keep on the device: see Note: [Micro-batches in flight]."""
+        floor = max(self.min_swap_bytes, 1)
+        for unit in units:
+            for ref in unit.handles:
+                handle = ref() if ref is not None else None
+                slot = handle.slot if handle is not None else None
+                if (slot is None or slot.group is not None
+                        or slot.aliases[0].untyped_storage().nbytes() < floor
+                        or not slot.releasable()):
+                    continue
+                group = SwapTensors(slot.aliases, config=self.swap_config,
+                                    name=f"smart#{slot.ordinal}")
+                slot.group = group
+                t0 = now()
+                group.swap_to_host()
+                group.wait_d2h()
+                self._t_transfer += now() - t0
+                profile = unit.profile
+                if profile is not None and profile.storages[slot.ordinal].released is None:
+                    profile.storages[slot.ordinal].released = self.tick
+                self.report.evicted_bytes += group.nbytes
+                self.report.swapped_storages += 1
+                self.report.swapped_bytes += group.nbytes
 
     def end_step(self, step_s: float) -> StepReport:
         """Finish the step: complete copies, close the profiles, return the :class:`StepReport`."""

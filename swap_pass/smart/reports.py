@@ -42,6 +42,8 @@ class StepReport:
         max_in_flight: Most micro-batches whose saved tensors autograd held at once (above 1: a
             micro-batch's forward began before the backward of an earlier one had finished, as
             in a 1F1B pipeline schedule; see Note: [Micro-batches in flight] in executor.py).
+        evicted_bytes: Bytes such earlier micro-batches kept on the device and that moved to
+            the host when a later one began (also in ``swapped_bytes``).
     """
 
     keys: list[int]
@@ -58,6 +60,7 @@ class StepReport:
     micro_batches: int = 0
     units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
     max_in_flight: int = 1
+    evicted_bytes: int = 0
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
         return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, "

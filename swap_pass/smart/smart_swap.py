@@ -183,7 +183,6 @@ class SmartSwap:
         self._executor.record_planned = size > 0
         self._executor.candidates = self.plan_cache.plans if size else tuple
         self._warned_infeasible = False
-        self._warned_in_flight = False
 
     # --- public -------------------------------------------------------------------------------
 
@@ -308,9 +307,6 @@ class SmartSwap:
         """
         report = self._executor.end_step(now() - self._t0)
         self.last_report = report
-        if report.max_in_flight > 1 and not self._warned_in_flight:
-            self._warned_in_flight = True
-            warnings.warn(_in_flight_message(report.max_in_flight), RuntimeWarning, stacklevel=2)
         if not report.keys:  # nothing saved (eval, no_grad): no evidence either way
             self._begin()
             return self.stage
@@ -423,18 +419,6 @@ def _infeasible_message(budget: int | float, policy: SwapPolicy) -> str:
         f"{policy.unreachable}. SmartSwap runs the plan that lowers every other tick as far as "
         f"it can (it moves {policy.swap_bytes} B); smart.policy.feasible is False and "
         "smart.policy.summary() repeats this. Warned once."
-    )
-
-
-def _in_flight_message(in_flight: int) -> str:
-    return (
-        f"swap_pass.SmartSwap: micro-batches overlapped in this step: {in_flight} held saved "
-        "tensors at once (a micro-batch's forward began before an earlier one's backward had "
-        "finished, as in a 1F1B pipeline schedule). Each micro-batch runs a plan made for its own "
-        "saved tensors within memory_budget; what the earlier micro-batches still hold on the "
-        "device comes on top, so the step's resident saved bytes can pass the budget. Schedules "
-        "that run every forward before any backward (GPipe) are planned as one sequence and keep "
-        "it. last_report.max_in_flight gives the count. Warned once."
     )
 
 

@@ -185,7 +185,7 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None, setup=setup_of
     forward_backward = custom[0] if custom else _forward_backward(model, loss_of)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {"losses": [], "grads": [], "released": [], "peaks": [], "stages": [],
-           "in_flight": [], "inputs_intact": True}
+           "in_flight": [], "evicted": [], "inputs_intact": True}
     smart = swap_pass.SmartSwap(model, memory_budget=smart_budget) if smart_budget else None
     if smart is not None:
         smart.__enter__()
@@ -227,6 +227,7 @@ def _train_step(model: nn.Module, batch: tuple, forward_backward, opt, smart, ou
     if smart is not None:
         smart.step()
         out["in_flight"].append(smart.last_report.max_in_flight)
+        out["evicted"].append(smart.last_report.evicted_bytes)
     out["released"].append(swap_pass.swap_stats().swapped_out_bytes - before)
     out["peaks"].append(counter.peak)
 
@@ -339,7 +340,7 @@ def _compare(ref: dict, got: dict) -> dict:
         "budget_bytes": got["budget_bytes"], "feasible": got["feasible"], "plan": got["plan"],
         "inputs_intact": got["inputs_intact"] and ref["inputs_intact"],
         "host_bytes_in_use": got["host_bytes_in_use"],
-        "n_losses": len(got["losses"]), "in_flight": got["in_flight"],
+        "n_losses": len(got["losses"]), "in_flight": got["in_flight"], "evicted": got["evicted"],
         "warnings": got["warnings"], "plan_budgets": got["plan_budgets"],
         **{k: got[k] for k in ("dtensors_freed", "collectives_freed", "params_tracked",
                                 "params_saved") if k in got},
