@@ -24,13 +24,14 @@ STEPS = 3
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
           "tp-sp-ac", "tp-classic", "docs-recipe"]
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
-# swap: in their own process pair (compiling takes most of a minute per setup on 2 cores).
-COMPILE_SETUPS = ["fsdp2-compile-layers", "tp-sp-compile-layers"]
+# swap: in their own process pair.
+COMPILE_SETUPS = ["fsdp2-compile-layers", "fsdp2-ac-compile-layers", "tp-sp-compile-layers"]
 # The whole model (the DDP module for DDP) compiled with torch.compile(model,
 # backend=make_swap_backend("aot_eager")) in layer-input mode ("-compile-model") and budget mode
 # ("-compile-budget"), against the same whole-model compile with the plain aot_eager backend:
 # their own process pair.
 MODEL_COMPILE_SETUPS = ["ddp-compile-model", "fsdp2-compile-model", "fsdp2-compile-budget",
+                        "fsdp2-ac-compile-model",
                         "tp-sp-compile-model", "tp-sp-compile-budget", "tp-classic-compile-model"]
 MODEL_COMPILE_BUDGET = 0.5
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "distributed.md")
@@ -56,7 +57,7 @@ def _wrap(setup: str, model, mesh):
     from tests.distributed import models as m
     if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
         m.apply_tp(model, mesh, "classic" if setup.startswith("tp-classic") else "sp")
-    if setup.endswith("-ac"):
+    if setup.endswith("-ac") or "-ac-" in setup:  # checkpoint_wrapper per block
         for idx, block in enumerate(model.layers):
             model.layers[idx] = checkpoint_wrapper(block)
     if setup.startswith("ddp"):
@@ -139,6 +140,7 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
 
         from swap_pass.graph.regional import compile_layers
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
         handle = compile_layers(inner, backend="aot_eager", swap=swap).swap
     if whole:
         model, backend = _compile_model(setup, model, swap)
@@ -146,8 +148,8 @@ def _train(setup: str, rank: int, mesh, swap: bool) -> dict:
     seeds = [step if same_data else 100 * step + rank for step in range(STEPS)]
     rec = train_steps(model, inner, handle, [m.batch(seed) for seed in seeds], m.loss_of,
                       watch=not whole)
-    if whole:
-        rec["compiled"] = _graphs(backend)
+    if whole or compiled:
+        rec["compiled"] = _graphs(backend if whole else None)
     return rec
 
 

@@ -1,10 +1,12 @@
-"""Per-block compile on FSDP2 and tensor + sequence parallel, 2 gloo ranks (CPU).
+"""Per-block compile on FSDP2 (also with ``checkpoint_wrapper`` on every block) and tensor +
+sequence parallel, 2 gloo ranks (CPU).
 
 Each block compiled with ``swap_pass.compile_layers(model, backend="aot_eager")`` (torchtitan
 compiles per block; the swap between blocks runs eagerly), against the same per-block compile
 without swap: three optimizer steps exact, every block's input but the last off the device at the
 end of forward, bytes released per rank, nothing pending; the checks of
-``test_data_tensor_parallel``. One spawned process pair for both setups.
+``test_data_tensor_parallel``. Dynamo compiled the blocks without a graph break. One spawned
+process pair for every setup.
 """
 
 from __future__ import annotations
@@ -30,3 +32,6 @@ def reports(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("setup", dist_worker.COMPILE_SETUPS)
 def test_compile_layers_exact_and_swapped_on_every_rank(reports, setup):
     check(reports, setup)
+    for rank, report in enumerate(reports):
+        compiled = report[setup]["compiled"]
+        assert compiled["graphs"] >= 1 and compiled["breaks"] == 0, (rank, compiled)
