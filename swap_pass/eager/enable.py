@@ -201,7 +201,35 @@ def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[
             )
     if not found:
         raise ValueError(f"swap_pass.{_API}: layers is empty. Pass at least one block.")
+    refuse_module_compile(model, found, _API)
     return found
+
+
+def refuse_module_compile(model: nn.Module, found: list[nn.Module], api: str) -> None:
+    """Refuse blocks (or a model) compiled with ``nn.Module.compile``.
+
+    ``module.compile()`` compiles the module's whole ``__call__``: the swap protocol around a
+    block's ``forward`` would run inside the compiled region, where Dynamo cannot trace it (it
+    reads the autograd engine's state and moves storages). torchtitan's ``compile.enable``
+    (component ``"model"``) compiles every block this way.
+
+    Raises:
+        RuntimeError: ``model`` or one of ``found`` has a compiled ``__call__``.
+    """
+    compiled = [(f"layers[{idx}]", layer) for idx, layer in enumerate(found)]
+    compiled = [(where, mod) for where, mod in [("the model", model), *compiled]
+                if getattr(mod, "_compiled_call_impl", None) is not None]
+    if compiled:
+        where, mod = compiled[0]
+        raise RuntimeError(
+            f"swap_pass.{api}: {where} ({type(mod).__name__}) was compiled with "
+            "nn.Module.compile() (torchtitan's compile.enable with the 'model' component does "
+            "this to every block), which compiles its whole __call__; the swap between blocks "
+            "cannot run inside a compiled region. Compile the blocks with "
+            "swap_pass.compile_layers(model, backend=...) instead (it compiles each block's "
+            "forward and swaps between them eagerly; turn torchtitan's model compile off), or "
+            "compile the whole model with swap_pass.swap_backend."
+        )
 
 
 def _refuse_repeated_instances(found: list[object]) -> None:
@@ -232,7 +260,8 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
         A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.
 
     Raises:
-        RuntimeError: Swap is already enabled on ``model`` or on one of the blocks.
+        RuntimeError: Swap is already enabled on ``model`` or on one of the blocks, or the model
+            or a block was compiled with ``nn.Module.compile()``.
         ValueError: No repeated blocks were found, ``layers`` is empty, or one block instance
             appears at several positions.
         TypeError: ``config`` is not a :class:`SwapConfig`.

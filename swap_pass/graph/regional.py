@@ -22,7 +22,12 @@ import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input, find_layer_blocks
+from swap_pass.eager.enable import (
+    SwapLayerInputHandle,
+    enable_swap_layer_input,
+    find_layer_blocks,
+    refuse_module_compile,
+)
 from swap_pass.runtime.skips import warn_once
 
 __all__ = ["CompiledLayers", "compile_layers"]
@@ -105,6 +110,7 @@ def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Mod
     if not found or not all(isinstance(layer, nn.Module) for layer in found):
         raise ValueError(f"swap_pass.{_API}: layers must be one or more nn.Module blocks "
                          f"(got {[type(layer).__name__ for layer in found]}).")
+    refuse_module_compile(model, found, _API)
     return found
 
 
@@ -175,7 +181,8 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
 
     Raises:
         RuntimeError: The layers are already compiled by this function, swap is already enabled
-            on the model, or ``backend="npu"`` without torch_npu/torchair.
+            on the model, the model or a layer was compiled with ``nn.Module.compile()``, or
+            ``backend="npu"`` without torch_npu/torchair.
         ValueError: No repeated blocks were found, or ``layers`` holds something else.
     """
     config = check_config(config, _API)

@@ -32,7 +32,8 @@ Note: [Ownership rule]
     own and may leave, and so may a leaf that requires grad and is not a view: a pipeline
     stage's received activations (the schedule keeps them for their ``.grad`` only), or an
     input whose gradient the caller asked for, which reads as swapped out (``SwapDataError``)
-    until backward and comes back intact after it, or when the graph is dropped.
+    until backward and comes back intact after it, or when the graph is dropped. A whole alias
+    of such a leaf counts as the leaf (Note: [Whole aliases of a received leaf]).
 
     When the tensors span only part of a storage that nobody else holds (a layer input that is
     a slice of a larger activation), only the bytes they span are copied to the host; the
@@ -148,11 +149,36 @@ def is_user_data(t: torch.Tensor) -> bool:
     """True for views of leaves (inputs, parameters, buffers) and leaves that need no grad.
 
     A leaf that requires grad and is not a view (a pipeline stage's received activations, an
-    input whose gradient the caller asked for) is handed to the model like an activation.
+    input whose gradient the caller asked for) is handed to the model like an activation, and
+    so is a whole alias of one (Note: [Whole aliases of a received leaf]).
     """
-    if t._base is not None:
-        return t._base.grad_fn is None
-    return t.grad_fn is None and not t.requires_grad
+    base = t._base
+    if base is None:
+        return t.grad_fn is None and not t.requires_grad
+    if base.grad_fn is not None:
+        return False
+    return not _is_whole_alias_of_grad_leaf(t, base)
+
+
+def _is_whole_alias_of_grad_leaf(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """True when ``t`` reads exactly ``base``'s bytes and ``base`` is a leaf that requires grad
+    and is no parameter.
+
+    Note: [Whole aliases of a received leaf]
+        An autograd Function that returns its input as is hands on a view of it with a new
+        ``grad_fn``: FSDP2's pre-forward hook does so with every input that requires grad (its
+        ``RegisterPostBackwardFunction``), so a pipeline stage sharded with ``fully_shard`` gives
+        its first block an alias of the received activation, not the leaf itself. Such an alias
+        is the leaf under another name: it is treated as the leaf is (swappable), whereas a
+        part of a leaf (``x[:, :16]``) and anything over a ``torch.nn.Parameter`` stay the
+        caller's.
+    """
+    if not base.requires_grad or isinstance(base, torch.nn.Parameter):
+        return False
+    if t.storage_offset() != base.storage_offset() or t.numel() != base.numel():
+        return False
+    return (t.shape == base.shape and t.stride() == base.stride()) or (
+        t.is_contiguous() and base.is_contiguous())
 
 
 def byte_span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
@@ -352,10 +378,20 @@ def _warn_shared(layer: str, t: torch.Tensor, extra: int) -> None:
         "view, the tensor it was sliced from, a buffer, a .detach() or view of it kept while the "
         "layers ran). It stays on the device (swap_stats().skipped_shared_bytes counts it). Pass "
         "the layer a tensor of its own (e.g. a .clone() of the slice) and keep .clone()s rather "
-        "than views of it to have it swapped. (Shown once per layer.)",
+        f"than views of it to have it swapped.{_alias_hint(t)} (Shown once per layer.)",
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def _alias_hint(t: torch.Tensor) -> str:
+    """What the shared-storage warning adds for a whole alias of a received leaf."""
+    if t._base is None or not _is_whole_alias_of_grad_leaf(t, t._base):
+        return ""
+    return (" It is an alias of a leaf that requires grad (a pipeline stage's received "
+            "activation), made by an autograd Function that returns its input as is, as FSDP2's "
+            "fully_shard does on every sharded module: with fully_shard on both the stage and its "
+            "first block, the stage's alias is the other holder.")
 
 
 def rearm_warnings() -> None:

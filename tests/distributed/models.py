@@ -92,12 +92,16 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
         SequenceParallel,
         parallelize_module,
     )
+    def outer(plan: dict) -> dict:  # a pipeline stage holds only some of the outer modules
+        return {name: style for name, style in plan.items()
+                if getattr(model, name, None) is not None}
+
     if style == "sp":
-        parallelize_module(model, mesh, {
+        parallelize_module(model, mesh, outer({
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                               use_local_output=False),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}))
         block_plan = {
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),),
@@ -108,7 +112,7 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     else:
         parallelize_module(model, mesh,
-                           {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())})
+                           outer({"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}))
         block_plan = {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
                  "feed_forward.w3"):

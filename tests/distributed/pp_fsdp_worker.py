@@ -1,14 +1,16 @@
-"""One rank of the pipeline x FSDP2 test: 4 gloo ranks (CPU), a 2-D mesh ``("pp", "dp")``.
+"""One rank of the pipeline x FSDP2 and pipeline x tensor-parallel tests: 4 gloo ranks (CPU),
+a 2-D mesh ``("pp", "dp")`` or ``("pp", "tp")``.
 
-The tiny Llama of ``models.py`` with ``STAGES * LAYERS_PER_STAGE`` blocks is split into 2
-pipeline stages (ranks ``{0, 1}`` hold stage 0, ``{2, 3}`` stage 1); each stage's blocks and the
-stage are ``fully_shard``-ed over the stage's 2-rank ``dp`` mesh, and
-``torch.distributed.pipelining`` runs ``MICROBATCHES`` micro-batches per step (``ScheduleGPipe``
-or ``Schedule1F1B``). ``STEPS`` AdamW steps, once without swap and once with
-``enable_swap_layer_input`` on the stage module; the rank writes to ``rank<r>.json`` what the
-test asserts on: the last stage's losses, every gradient of every step and every parameter after
-the last step ``torch.equal`` (local shards), the stage's block inputs freed at the end of the
-first forward, bytes released, nothing pending, the batch intact.
+The tiny Llama of ``models.py`` with ``STAGES * LAYERS_PER_STAGE`` blocks is split into 2 pipeline
+stages (ranks ``{0, 1}`` hold stage 0, ``{2, 3}`` stage 1); each stage's blocks and the stage are
+``fully_shard``-ed over the stage's 2-rank ``dp`` mesh (``SCHEDULES``), or its blocks and embedding
+take the classic tensor-parallel plan over the 2-rank ``tp`` mesh (``TP_SCHEDULES``: both ranks of a
+stage see one batch), and ``torch.distributed.pipelining`` runs ``MICROBATCHES`` micro-batches per
+step (``ScheduleGPipe`` or ``Schedule1F1B``). ``STEPS`` AdamW steps, once without swap and once with
+``enable_swap_layer_input`` on the stage module; the rank writes to ``rank<r>.json`` what the test
+asserts on: the last stage's losses, every gradient of every step and every parameter after the last
+step ``torch.equal`` (local shards), the stage's block inputs freed at the end of the first forward,
+bytes released, nothing pending, the batch intact.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 from torch import nn
 
 STAGES, LAYERS_PER_STAGE, MICROBATCHES, BATCH, STEPS = 2, 4, 4, 4, 3
+# Pipeline x FSDP2 on the mesh ("pp", "dp"), then pipeline x classic tensor parallel on the mesh
+# ("pp", "tp") of the same 4 ranks.
 SCHEDULES = ["gpipe", "1f1b"]
+TP_SCHEDULES = ["tp-gpipe", "tp-1f1b"]
 
 
 class StageModel(nn.Module):
@@ -63,12 +68,15 @@ def _build(schedule: str, mesh, swap: bool):
     stage_idx = mesh["pp"].get_local_rank()
     model = StageModel(stage_idx)
     handle = swap_pass.enable_swap_layer_input(model) if swap else None
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    if schedule.startswith("tp-"):  # classic plan: the embedding's all-reduce, Megatron-style
+        m.apply_tp(model, mesh["tp"], "classic")
+    else:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     stage = pp.PipelineStage(model, stage_idx, STAGES, torch.device("cpu"),
                              group=mesh["pp"].get_group())
-    cls = pp.ScheduleGPipe if schedule == "gpipe" else pp.Schedule1F1B
+    cls = pp.ScheduleGPipe if schedule.endswith("gpipe") else pp.Schedule1F1B
     return model, handle, cls(stage, n_microbatches=MICROBATCHES, loss_fn=m.loss_of)
 
 
@@ -76,6 +84,7 @@ def _watch(model):
     """Pre-hooks keeping each block's forward input, and after the stage's forward whether each
     one's storage is freed (the first micro-batch's forward is the one the test reads)."""
     from swap_pass.eager._layer_io import in_backward
+    from tests.distributed.models import plain_local
     seen: list[torch.Tensor] = []
     freed: list[list[bool]] = []
     hooks = [layer.register_forward_pre_hook(
@@ -83,7 +92,7 @@ def _watch(model):
         for layer in model.layers]
 
     def after(mod, args, out):
-        freed.append([x.untyped_storage().nbytes() == 0 for x in seen])
+        freed.append([plain_local(x).untyped_storage().nbytes() == 0 for x in seen])
         seen.clear()
 
     hooks.append(model.register_forward_hook(after))
@@ -102,7 +111,8 @@ def _train(schedule: str, mesh, swap: bool) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            tokens, labels = _batch(step, mesh["dp"].get_local_rank())
+            dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0
+            tokens, labels = _batch(step, dp_rank)  # both tensor-parallel ranks: one batch
             kept = (tokens.clone(), labels.clone())
             opt.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
@@ -145,7 +155,12 @@ def run(rank: int, world: int, port: int, out_dir: str, schedules: list[str]) ->
 
     from tests.distributed.dist_worker import init, run_setups
     init(rank, world, port)
-    mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "dp"))
+    shape = (STAGES, world // STAGES)
+    meshes = {"dp": init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")),
+              "tp": init_device_mesh("cpu", shape, mesh_dim_names=("pp", "tp"))}
+    mesh = meshes["dp"]
     report: dict = {"stage": mesh["pp"].get_local_rank(), "dp_rank": mesh["dp"].get_local_rank()}
-    run_setups(rank, out_dir, schedules, lambda schedule, swap: _train(schedule, mesh, swap),
+    run_setups(rank, out_dir, schedules,
+               lambda schedule, swap: _train(schedule, meshes[schedule[:2]] if
+                                             schedule.startswith("tp-") else mesh, swap),
                compare_runs=_compare, report=report)

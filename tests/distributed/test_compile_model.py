@@ -17,9 +17,10 @@ Each setup trains three optimizer steps against the same whole-model compile wit
   holds two layers: layer-input mode swaps nothing, counts the saved bytes under ``no_layers``
   and warns once, naming ``compile_layers``; budget mode swaps inside that block graph (every
   block's call of it), exact, and warns that the budget is not reached (a graph's own inputs,
-  the block input among them, are never swapped).
+  the block input among them, are never swapped). The same with ``checkpoint_wrapper`` on every
+  block (the one graph is a checkpointed block's forward).
 
-One spawned process pair for the six setups; the reference compile runs once per
+One spawned process pair for the seven setups; the reference compile runs once per
 parallelism.
 """
 
@@ -95,8 +96,9 @@ def test_tp_sp_whole_model_budget_mode_swaps_more_than_layer_inputs_exactly(repo
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
 
 
-def test_fsdp2_whole_model_swaps_nothing_counts_it_and_names_compile_layers(reports):
-    for rank, res in _each_rank(reports, "fsdp2-compile-model"):
+@pytest.mark.parametrize("setup", ["fsdp2-compile-model", "fsdp2-ac-compile-model"])
+def test_fsdp2_whole_model_swaps_nothing_counts_it_and_names_compile_layers(reports, setup):
+    for rank, res in _each_rank(reports, setup):
         assert res["compiled"]["partitions"] == [["layer_input", 0, 0]], (rank, res)
         assert res["outs"] == [0] * STEPS and res["released"] == 0, (rank, res)
         assert list(res["skipped"]) == ["no_layers"] and res["skipped"]["no_layers"] > 0

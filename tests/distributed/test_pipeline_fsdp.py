@@ -1,14 +1,16 @@
-"""Pipeline parallel x FSDP2 on 4 gloo ranks (CPU): 2 stages x 2-way ``fully_shard``, one 2-D mesh.
+"""Pipeline parallel x FSDP2 and x tensor parallel on 4 gloo ranks (CPU): 2 stages x 2-way
+``fully_shard`` or 2-way TP, one 2-D mesh each.
 
-One spawned group of 4 ranks runs ``ScheduleGPipe`` and ``Schedule1F1B``
-(``pp_fsdp_worker.SCHEDULES``), each three optimizer steps of 4 micro-batches without and with
-``enable_swap_layer_input`` on each stage's module. Per rank: the last stage's losses, every
-gradient of every step and every parameter after the last step ``torch.equal`` (local shards);
-each stage's block inputs but the last off the device at the end of its forward (on the second
-stage also the first block's, see :func:`swapped_per_microbatch`); bytes released on this rank
-exactly the block inputs of the micro-batches the schedule has in flight at once; nothing pending;
-the batch intact; no warning. Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run
-their swapped steps under ``swap_pass.testing.stream_model`` and report its hazards.
+One spawned group of 4 ranks runs ``ScheduleGPipe`` and ``Schedule1F1B`` with FSDP2
+(``pp_fsdp_worker.SCHEDULES``) and with the classic TP plan (``TP_SCHEDULES``), each three optimizer
+steps of 4 micro-batches without and with ``enable_swap_layer_input`` on each stage's module. Per
+rank: the last stage's losses, every gradient of every step and every parameter after the last step
+``torch.equal`` (local shards); each stage's block inputs but the last off the device at the end of
+its forward (on the second stage also the first block's, counted and warned, see
+:func:`swapped_per_microbatch`); bytes released on this rank exactly the block inputs of the
+micro-batches the schedule has in flight at once; nothing pending; the batch intact; no other
+warning. Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run their swapped steps under
+``swap_pass.testing.stream_model`` and report its hazards.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ def swapped_per_microbatch(stage: int) -> int:
     """Block inputs swapped per micro-batch on ``stage``.
 
     Each stage's last block keeps its input (backward starts there at once). On a stage after the
-    first, the first block's input stays too, counted as ``user_data``: FSDP2's pre-forward hook
-    of the stage module passes the received activation (a leaf the schedule keeps for its
-    ``.grad``) through an autograd Function that returns it as is, so the block receives an alias,
-    a view of that leaf, which the ownership rule treats as the caller's (Note: [Ownership rule]
-    in ``swap_pass/runtime/ownership.py``). Without FSDP the received leaf itself is swapped
-    (``tests/eager/test_pipeline.py``).
+    first, the first block's input stays too, counted as ``shared_storage`` with one warning:
+    FSDP2's pre-forward hooks pass every input that needs grad through an autograd Function that
+    returns it as is, once for the stage module and once for the block, so the block receives an
+    alias of the received activation while the stage's own alias of it (the stage's ``forward``
+    argument) is still referenced, a holder the swap cannot guard (Note: [Whole aliases of a
+    received leaf] in ``swap_pass/runtime/ownership.py``). Without FSDP the received leaf itself
+    is swapped (``tests/eager/test_pipeline.py``).
     """
     return worker.LAYERS_PER_STAGE - 1 - (stage > 0)
 
@@ -44,7 +47,7 @@ def swapped_per_microbatch(stage: int) -> int:
 def in_flight(schedule: str, stage: int) -> int:
     """Micro-batches whose forward has run and whose backward has not, at most, on ``stage``:
     GPipe runs every forward first; 1F1B's warm-up runs ``stages - stage`` forwards."""
-    if schedule == "gpipe":
+    if schedule.endswith("gpipe"):
         return worker.MICROBATCHES
     return min(worker.MICROBATCHES, worker.STAGES - stage)
 
@@ -53,8 +56,8 @@ def in_flight(schedule: str, stage: int) -> int:
 def reports(tmp_path_factory) -> list[dict]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
-    return spawn_ranks(worker.run, RANKS, tmp_path_factory.mktemp("pp_fsdp"), worker.SCHEDULES,
-                       seconds=420)
+    return spawn_ranks(worker.run, RANKS, tmp_path_factory.mktemp("pp_fsdp"),
+                       worker.SCHEDULES + worker.TP_SCHEDULES, seconds=420)
 
 
 @pytest.mark.parametrize("schedule", worker.SCHEDULES)
@@ -72,15 +75,45 @@ def test_pipeline_x_fsdp2_exact_and_swapped_on_every_rank(reports, schedule):
         # torch 2.13's first step also runs the stage's metadata inference: one more micro-batch's
         # forward and backward with real tensors and grad on (releases that infer shapes under
         # no_grad swap nothing there).
-        inference = res["outs"][0] // per_mb - worker.MICROBATCHES
+        # Swaps started: every block's input but the last (the kept one is started, then kept
+        # when it is to be freed).
+        started = worker.LAYERS_PER_STAGE - 1
+        inference = res["outs"][0] // started - worker.MICROBATCHES
         assert inference in (0, 1), (rank, res)
         forwards = [worker.MICROBATCHES * (s + 1) + inference for s in range(worker.STEPS)]
-        assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
+        assert res["outs"] == [started * n for n in forwards], (rank, res)
         assert res["freed"] == [stage == 0] + [True] * (per_mb - (stage == 0)) + [False], (
             rank, res)
         assert res["released"] == in_flight(schedule, stage) * per_mb * LAYER_INPUT, (rank, res)
+        assert res["swapped_in"] == per_mb * forwards[-1] * LAYER_INPUT, (rank, res)
+        kept = {"shared_storage": forwards[-1] * LAYER_INPUT} if stage > 0 else {}
+        assert res["skipped"] == kept, (rank, res)
+        assert len(res["warnings"]) == (stage > 0), (rank, res)
+        assert all("fully_shard" in w for w in res["warnings"]), (rank, res)
+        assert res["clean"] and res["intact"], (rank, res)
+        assert res.get("hazards", []) == [], (rank, res)
+
+
+@pytest.mark.parametrize("schedule", worker.TP_SCHEDULES)
+def test_pipeline_x_tensor_parallel_exact_and_swapped_on_every_rank(reports, schedule):
+    """2 stages x the classic TP plan on 2 ranks each: every block input but each stage's last is
+    swapped, the first stage's first (an ``AsyncCollectiveTensor``, the embedding's all-reduce)
+    and the second stage's first (the received activation) included; nothing kept or warned."""
+    per_mb = worker.LAYERS_PER_STAGE - 1
+    for rank, report in enumerate(reports):
+        res, stage = report[schedule], report["stage"]
+        assert "error" not in res, res.get("error")
+        assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
+        last = stage == worker.STAGES - 1
+        assert res["n_losses"] == [worker.MICROBATCHES if last else 0] * worker.STEPS
+        assert res["grads_present"] and res["n_params"] > 0 and res["ref_outs"] == 0, (rank, res)
+        inference = res["outs"][0] // per_mb - worker.MICROBATCHES  # as in the test above
+        assert inference in (0, 1), (rank, res)
+        forwards = [worker.MICROBATCHES * (s + 1) + inference for s in range(worker.STEPS)]
+        assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
+        assert res["freed"] == [True] * per_mb + [False], (rank, res)
+        assert res["released"] == in_flight(schedule, stage) * per_mb * LAYER_INPUT, (rank, res)
         assert res["swapped_in"] == res["outs"][-1] * LAYER_INPUT, (rank, res)
-        kept = {"user_data": forwards[-1] * LAYER_INPUT} if stage > 0 else {}
-        assert res["skipped"] == kept and res["warnings"] == [], (rank, res)
+        assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)

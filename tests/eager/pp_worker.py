@@ -152,6 +152,50 @@ def _compare(ref: dict, got: dict) -> dict:
     }
 
 
+def train_compiled(setup: str, rank: int, swap: bool) -> dict:
+    """``setup`` (``"pp-1f1b-compile-layers"``, ``"pp-gpipe-compile-layers"``): this rank's stage
+    of the 2-stage pipeline, its blocks compiled by ``swap_pass.compile_layers`` (aot_eager) with
+    or without ``swap``, three AdamW steps; the record ``tests.distributed.dist_worker.compare``
+    reads (the losses on the last stage only; no end-of-forward watch: ``freed`` is None)."""
+    import warnings
+
+    import torch._dynamo
+
+    import swap_pass
+    from swap_pass.models import LlamaDecoderLayer, make_batch
+    from tests.distributed.dist_worker import STEPS, _graphs, close_record
+    schedule = setup.split("-")[1]
+    swap_pass.reset()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
+    (mod,), sched = _build(schedule, rank, LlamaDecoderLayer, recompute=False)
+    handle = swap_pass.compile_layers(mod, backend="aot_eager", swap=swap).swap
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
+    rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            ids, labels = make_batch(_cfg(), BATCH, SEQ, seed=step)
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                kept = ids.clone()
+                sched.step(ids, target=labels, losses=losses)
+                rec["intact"] &= torch.equal(ids, kept)
+            else:
+                sched.step(target=labels, losses=losses)
+            rec["losses"] += [loss.detach() for loss in losses]
+            rec["grads"].append({n: p.grad.clone() for n, p in mod.named_parameters()})
+            opt.step()
+            stats = swap_pass.swap_stats()
+            rec["outs"].append(stats.swap_outs)
+            pending = sum(len(m.batch_stack) for m in handle.managers) if handle else 0
+            rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
+    rec["compiled"] = _graphs(None)
+    return close_record(rec, caught, handle, freed=None, n_losses=len(rec["losses"]),
+                        params={n: p.detach().clone() for n, p in mod.named_parameters()})
+
+
 def run(rank: int, world: int, port: int, outdir: str) -> None:
     """Entry point for ``torch.multiprocessing.spawn``."""
     import swap_pass

@@ -204,3 +204,71 @@ def test_reentrant_segments_of_two_layers_free_what_they_copy():
     assert stats.swap_ins == 3  # freed, then restored, once per step
     handle.remove()
     assert_clean()
+
+
+class _PassThrough(torch.autograd.Function):
+    """Returns its input as is, as FSDP2's pre-forward hook does with inputs that need grad:
+    autograd hands on a view of the input with this Function's ``grad_fn``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Received(Stack):
+    """The first layer gets a whole alias of the caller's leaf (``alias``), an alias of an alias
+    the model still references (``nested``), a part of the leaf (``part``), or a whole alias of
+    a parameter (``parameter``)."""
+
+    def __init__(self, prep: str) -> None:
+        super().__init__(prep)
+        self.held = nn.Parameter(torch.randn(2, 8, CFG.hidden_size))
+
+    def _first_input(self, x):
+        if self.prep == "parameter":
+            return _PassThrough.apply(self.held), None  # x is not read
+        if self.prep == "part":
+            return x[:2], None
+        if self.prep == "nested":  # the outer alias stays referenced, as a stage's argument does
+            self.outer = _PassThrough.apply(x)
+            return _PassThrough.apply(self.outer), None
+        return _PassThrough.apply(x), None
+
+
+@pytest.mark.parametrize("prep", ["alias", "nested", "part", "parameter"])
+def test_a_whole_alias_of_a_leaf_needing_grad_is_swapped_like_the_leaf(prep):
+    """A pipeline stage under ``fully_shard`` gets an alias of its received leaf: swapped, with
+    the leaf's gradient exact; a part of a leaf and an alias of a parameter stay the caller's,
+    and an alias with a second alias still referenced stays, counted and warned."""
+    ref = _Received(prep)
+    model = copy.deepcopy(ref)
+    handle = swap_pass.enable_swap_layer_input(model, layers=model.layers)
+    rows = 3 if prep == "part" else 2
+    raw = torch.randn(rows, 8, CFG.hidden_size)
+    xs = [raw.clone().requires_grad_() for _ in range(2)]
+    seen = {}
+
+    def during():
+        seen["freed"] = _freed_inputs(handle)
+        seen["leaf"] = xs[1].untyped_storage().nbytes()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_exact(_step(ref, xs[0]), _step(model, xs[1], during))
+    if prep != "parameter":
+        assert torch.equal(xs[0].grad, xs[1].grad)
+    assert torch.equal(xs[1].detach(), raw)
+    stats = swap_pass.swap_stats()
+    first_swapped = prep == "alias"
+    assert seen["freed"] == [first_swapped, True, True, False]
+    assert (seen["leaf"] == 0) == first_swapped
+    kept = {"part": "user_data", "parameter": "user_data", "nested": "shared_storage"}
+    assert list(stats.skipped_bytes) == ([kept[prep]] if prep in kept else [])
+    hints = [w for w in caught if "fully_shard" in str(w.message)]
+    assert len(hints) == (prep == "nested"), [str(w.message) for w in caught]
+    handle.remove()
+    assert_clean()

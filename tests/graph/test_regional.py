@@ -92,6 +92,22 @@ def test_npu_backend_without_torch_npu_is_a_clear_error():
     assert all("forward" not in layer.__dict__ for layer in model.layers)
 
 
+@pytest.mark.parametrize("api", ["enable_swap_layer_input", "compile_layers"])
+@pytest.mark.parametrize("which", ["layer", "model"])
+def test_module_compile_is_refused_naming_compile_layers(api, which):
+    # nn.Module.compile (torchtitan's per-block compile) compiles the whole __call__: the swap
+    # protocol around forward would run inside the compiled region, where Dynamo fails on it
+    model = tiny_model(L)
+    (model.layers[1] if which == "layer" else model).compile(backend="aot_eager")
+    where = (r"layers\[1\] \(LlamaDecoderLayer\)" if which == "layer"
+             else r"the model \(LlamaStyleModel\)")
+    with pytest.raises(RuntimeError, match=rf"swap_pass\.{api}: {where} was compiled with "
+                                           r"nn\.Module\.compile\(\).*swap_pass\.compile_layers"):
+        getattr(swap_pass, api)(model)
+    assert all("forward" not in layer.__dict__ and not hasattr(layer, "swap_manager")
+               for layer in model.layers)
+
+
 def test_model_without_repeated_layers_is_an_error():
     with pytest.raises(ValueError, match=r"found no nn\.ModuleList or nn\.ModuleDict"):
         compile_layers(torch.nn.Linear(2, 2))

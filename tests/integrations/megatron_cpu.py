@@ -158,8 +158,10 @@ def sequence_parallel_spec(config):
     layer = get_gpt_layer_local_spec()
     submodules = dataclasses.replace(layer.submodules, input_layernorm=SequenceParallelNorm,
                                      pre_mlp_layernorm=SequenceParallelNorm)
-    return TransformerBlockSubmodules(
-        layer_specs=[dataclasses.replace(layer, submodules=submodules)] * config.num_layers,
+    per_stage = config.num_layers // (config.pipeline_model_parallel_size
+                                      * (config.virtual_pipeline_model_parallel_size or 1))
+    return TransformerBlockSubmodules(  # the layers of one (virtual) pipeline stage
+        layer_specs=[dataclasses.replace(layer, submodules=submodules)] * per_stage,
         layer_norm=SequenceParallelNorm)
 
 

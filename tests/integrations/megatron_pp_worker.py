@@ -1,8 +1,10 @@
 """One rank of the Megatron pipeline test, started by torchrun (gloo, CPU).
 
-``python -m torch.distributed.run --nproc-per-node 2 megatron_pp_worker.py OUT SCHEDULE``:
-Megatron's own ``get_forward_backward_func()`` runs 1F1B (``SCHEDULE=1f1b``, 2 stages) or the
-interleaved schedule (``interleaved``, 2 virtual stages per rank) with full recompute, once
+``python -m torch.distributed.run --nproc-per-node N megatron_pp_worker.py OUT SCHEDULE``:
+Megatron's own ``get_forward_backward_func()`` runs 1F1B (``SCHEDULE=1f1b``, 2 stages, N=2), the
+interleaved schedule (``interleaved``, 2 virtual stages per rank, N=2) or 1F1B with tensor
+parallel 2 and sequence parallel (``1f1b-tp2``, N=4; the sequence-parallel norms of
+``megatron_cpu.sequence_parallel_spec``) with full recompute, once
 without swap and once with ``swap_pass.integrations.megatron.enable`` on the model chunks. The
 rank writes what the test asserts on (bitwise equality, swaps done, nothing pending) to
 ``OUT/rank{R}.json``.
@@ -26,16 +28,22 @@ from tests.integrations import megatron_cpu as mc  # noqa: E402
 MICROBATCHES, LAYERS = 4, 8
 
 
-def _chunks(vp: int | None) -> list[torch.nn.Module]:
+# schedule -> (virtual stages per rank, tensor-parallel size); TP runs with sequence parallel.
+SCHEDULES = {"1f1b": (None, 1), "interleaved": (2, 1), "1f1b-tp2": (None, 2)}
+
+
+def _chunks(vp: int | None, tp: int) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
+    extra = dict(tensor_model_parallel_size=tp, sequence_parallel=True) if tp > 1 else {}
     cfg = mc.make_config(num_layers=LAYERS, recompute="full", method="uniform",
-                         recompute_layers=1, pp=2, vp=vp, batch_p2p_comm=False)
+                         recompute_layers=1, pp=2, vp=vp, batch_p2p_comm=False, **extra)
+    spec = mc.sequence_parallel_spec(cfg) if tp > 1 else None
     stages = range(vp) if vp else [None]
     return [mc.make_gpt(cfg,
                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
-                        vp_stage=v) for v in stages]
+                        vp_stage=v, spec=spec) for v in stages]
 
 
 def _run(chunks, swap: bool) -> dict:
@@ -78,10 +86,10 @@ def main(out: str, schedule: str) -> None:
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     rank = int(os.environ["RANK"])
     with mc.cpu_shims():
-        vp = 2 if schedule == "interleaved" else None
-        mc.init_parallel(pp=2, vp=vp)
-        ref = _run(_chunks(vp), swap=False)
-        got = _run(_chunks(vp), swap=True)
+        vp, tp = SCHEDULES[schedule]
+        mc.init_parallel(pp=2, vp=vp, tp=tp)
+        ref = _run(_chunks(vp, tp), swap=False)
+        got = _run(_chunks(vp, tp), swap=True)
     report = {
         "losses_equal": len(ref["losses"]) == len(got["losses"]) and all(
             torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"], strict=True)),

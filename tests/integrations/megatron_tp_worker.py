@@ -22,14 +22,17 @@ STEPS, LAYERS, TP = 3, 4, 2
 # (recompute_method, recompute_num_layers): uniform, one layer per checkpoint (every layer's
 # input kept, every layer swapped); block, the first two layers checkpointed, the rest plain.
 SETUPS = {"full-uniform": ("uniform", 1), "full-block": ("block", 2)}
+# The swapped layers' forward compiled by swap_pass.compile_layers (aot_eager), against the same
+# compile without swap.
+COMPILE_SETUPS = {"full-uniform-compile-layers": ("uniform", 1)}
 # Under SmartSwap (run_smart): without recompute, and full recompute of every layer.
 SMART_SETUPS = {"none": None, "full-uniform": ("uniform", 1)}
 SMART_BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
 
 
-def _build(setup: str, setups: dict = SETUPS):
+def _build(setup: str):
     from tests.integrations import megatron_cpu as mc
-    method, k = setups[setup] or (None, 1)
+    method, k = {**SETUPS, **COMPILE_SETUPS, **SMART_SETUPS}[setup] or (None, 1)
     cfg = mc.make_config(num_layers=LAYERS, recompute="full" if method else "none",
                          method=method, recompute_layers=k, tensor_model_parallel_size=TP,
                          sequence_parallel=True)
@@ -65,11 +68,18 @@ def _train(setup: str, swap: bool) -> dict:
     import swap_pass
     from swap_pass.integrations import megatron as sp_megatron
     from swap_pass.integrations.megatron import layers_to_swap
-    from tests.distributed.dist_worker import close_record
+    from tests.distributed.dist_worker import _graphs, close_record
     from tests.integrations import megatron_cpu as mc
     swap_pass.reset()
     model = _build(setup)
-    handle = sp_megatron.enable(model) if swap else None
+    if setup in COMPILE_SETUPS:
+        from torch import _dynamo
+        _dynamo.reset()
+        _dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
+        handle = swap_pass.compile_layers(model.decoder, layers=layers_to_swap(model.decoder),
+                                          backend="aot_eager", swap=swap).swap
+    else:
+        handle = sp_megatron.enable(model) if swap else None
     hooks, seen, freed = _watch(model, layers_to_swap(model.decoder))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rec: dict = {"losses": [], "grads": [], "outs": [], "intact": True, "clean": True}
@@ -93,7 +103,8 @@ def _train(setup: str, swap: bool) -> dict:
         rec, caught, handle, params={n: p.detach().clone() for n, p in model.named_parameters()},
         freed=freed[0], input_shape=list(seen[0].shape),
         qkv_shape=list(model.decoder.layers[0].self_attention.linear_qkv.weight.shape),
-        final_norm=model.decoder.final_layernorm.weight.tolist())
+        final_norm=model.decoder.final_layernorm.weight.tolist(),
+        compiled=_graphs(None) if setup in COMPILE_SETUPS else None)
 
 
 def _compare(ref: dict, got: dict) -> dict:
@@ -108,7 +119,8 @@ def _compare(ref: dict, got: dict) -> dict:
         "n_params": len(got["params"]), "ref_outs": ref["outs"][-1],
         "losses": [float(x) for x in got["losses"]],
         **{k: got[k] for k in ("outs", "freed", "input_shape", "qkv_shape", "final_norm",
-                                "released", "swapped_in", "skipped", "clean", "warnings")},
+                                "released", "swapped_in", "skipped", "clean", "warnings",
+                                "compiled")},
         "intact": got["intact"] and ref["intact"],
     }
 
@@ -122,7 +134,7 @@ def smart_setup(setup: str, rank: int, mesh) -> tuple:
     from tests.integrations import megatron_cpu as mc
     if not parallel_state.model_parallel_is_initialized():
         mc.init_parallel(tp=TP)
-    model = _build(setup, SMART_SETUPS)
+    model = _build(setup)
     keys = ("input_ids", "position_ids", "attention_mask", "labels")
     steps = iter(range(10**6))
 

@@ -1,7 +1,9 @@
 """megatron-core tensor parallel (TP=2) + sequence parallel, full recompute, on 2 gloo ranks (CPU).
 
 One spawned rank pair runs both recompute methods (``megatron_tp_worker.SETUPS``), each three
-optimizer steps without and with ``swap_pass.integrations.megatron.enable``. Per rank: every
+optimizer steps without and with ``swap_pass.integrations.megatron.enable``; and with the
+layers' forward compiled by ``swap_pass.compile_layers`` (aot_eager; ``uniform`` 1), against the
+same compile without swap. Per rank: every
 loss, every gradient of every step and every parameter after the last step ``torch.equal``
 (this rank's shards); every swapped layer's input but the last off the device at the end of
 forward; bytes released on this rank exactly those inputs' (this rank's sequence shard:
@@ -37,13 +39,20 @@ SWAPPED = worker.LAYERS - 1  # every layer's input is kept for backward; the las
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     return spawn_ranks(worker.run, worker.TP, tmp_path_factory.mktemp("megatron_tp"),
-                       list(worker.SETUPS), seconds=420)
+                       [*worker.SETUPS, *worker.COMPILE_SETUPS], seconds=540)
 
 
-@pytest.mark.parametrize("setup", list(worker.SETUPS))
+@pytest.mark.parametrize("setup", [*worker.SETUPS, *worker.COMPILE_SETUPS])
 def test_tensor_sequence_parallel_full_recompute_exact_and_swapped(reports, setup):
     for rank, report in enumerate(reports):
         res = report[setup]
+        if setup in worker.COMPILE_SETUPS:
+            # Dynamo splits each layer at the sequence-parallel all-gather Megatron issues with
+            # async_op=True (not traceable); the swap runs outside the compiled regions anyway
+            compiled = res["compiled"]
+            assert compiled["graphs"] >= 1 and compiled["breaks"] > 0, (rank, compiled)
+            assert ("async_op=True for distributed collectives" in compiled["break_reasons"]), (
+                rank, compiled)
         assert "error" not in res, res.get("error")
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert res["input_shape"] == [mc.SEQ // worker.TP, 2, mc.HIDDEN], (rank, res)

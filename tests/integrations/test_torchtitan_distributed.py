@@ -1,7 +1,11 @@
 """torchtitan's ``parallelize_llama`` on 2 gloo ranks (CPU): FSDP (``dp_shard=2``) and tensor +
 sequence parallel (``tp=2``, DTensor activations between blocks), tensor parallel also with
-torchtitan's full activation checkpointing; one spawned process pair for every setup
-(``torchtitan_dist_worker.SETUPS``), one more for SmartSwap on ``dp_shard=2`` and ``tp=2``
+torchtitan's full activation checkpointing, and ``dp_shard=2`` and ``tp=2`` with each block's
+forward compiled by ``swap_pass.compile_layers(model, backend="aot_eager")`` after
+``parallelize_llama`` (against the same compile without swap); swap on blocks compiled by
+torchtitan's own ``compile.enable`` (``nn.Module.compile``) is refused with an error naming
+``compile_layers``. One spawned process pair for every setup (``torchtitan_dist_worker.SETUPS``,
+``COMPILE_SETUPS``), one more for SmartSwap on ``dp_shard=2`` and ``tp=2``
 (``torchtitan_dist_worker.SMART_SETUPS``, the checks of ``tests/smart/test_distributed.py``).
 
 Per rank: three optimizer steps exact (losses, every gradient, every parameter after the last
@@ -36,14 +40,17 @@ SWAPPED = worker.LAYERS - 1
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
-    return spawn_ranks(worker.run, 2, tmp_path_factory.mktemp("titan"), worker.SETUPS)
+    return spawn_ranks(worker.run, 2, tmp_path_factory.mktemp("titan"),
+                       [*worker.SETUPS, *worker.COMPILE_SETUPS, "module-compile"], seconds=840)
 
 
-@pytest.mark.parametrize("setup", worker.SETUPS)
+@pytest.mark.parametrize("setup", worker.SETUPS + worker.COMPILE_SETUPS)
 def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
     per_input = LAYER_INPUT // 2 if setup.startswith("tp") else LAYER_INPUT
     for rank, report in enumerate(reports):
         res = report[setup]
+        if setup in worker.COMPILE_SETUPS:  # compiled, without a graph break
+            assert res["compiled"]["graphs"] >= 1 and res["compiled"]["breaks"] == 0, (rank, res)
         assert "error" not in res, res.get("error")
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert res["ref_outs"] == 0
@@ -53,6 +60,15 @@ def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)
+
+
+def test_swap_on_blocks_torchtitan_compiled_is_refused_naming_compile_layers(reports):
+    # torchtitan's compile.enable compiles each block's whole __call__ (nn.Module.compile): the
+    # swap around forward would run inside the compiled region
+    for rank, report in enumerate(reports):
+        refused = report["module-compile"]["refused"]
+        assert "nn.Module.compile()" in refused and "swap_pass.compile_layers" in refused, (
+            rank, refused)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ torchtitan's llama3 debug model (4 layers, SDPA attention) parallelized by torch
 activations between blocks), tensor parallel also with
 torchtitan's full activation checkpointing;
 three optimizer steps without and with ``enable_swap_layer_input``, compared by
-``tests.distributed.dist_worker``. :func:`run_smart`: the same model, ``dp_shard=2`` and
-``tp=2``, without and with ``SmartSwap``, by ``tests.smart.dist_worker``.
+``tests.distributed.dist_worker``; ``COMPILE_SETUPS``: each block's forward compiled by
+``swap_pass.compile_layers`` (aot_eager), without and with swap; ``"module-compile"``: the
+refusal of swap on blocks torchtitan's own compile compiled. :func:`run_smart`: the same model,
+``dp_shard=2`` and ``tp=2``, without and with ``SmartSwap``, by ``tests.smart.dist_worker``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import torch
 
 SETUPS = ["fsdp", "tp", "tp-full-ac"]
+# Each block's forward compiled with swap_pass.compile_layers(model, backend="aot_eager") after
+# parallelize_llama (torchtitan's own compile off), against the same compile without swap.
+COMPILE_SETUPS = ["fsdp-compile-layers", "tp-compile-layers"]
 SMART_SETUPS = ["fsdp", "tp"]
 # SmartSwap's memory_budget here. At 0.5 the tp=2 plan is infeasible: at the end of the forward
 # (the loss) more than half the profiled saved peak is held by the forward itself.
@@ -21,8 +26,9 @@ SMART_BUDGET = 0.75
 LAYERS = 4
 
 
-def build(setup: str, world: int = 2) -> torch.nn.Module:
-    """The debug model built from torchtitan's config, parallelized as ``setup`` says."""
+def build(setup: str, world: int = 2, compile_config=None) -> torch.nn.Module:
+    """The debug model built from torchtitan's config, parallelized as ``setup`` says, with
+    ``compile_config`` (default: torchtitan's, compile off)."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -48,7 +54,8 @@ def build(setup: str, world: int = 2) -> torch.nn.Module:
     dims.build_mesh()
     ac = FullAC.Config() if setup.endswith("full-ac") else None
     parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                      parallelism=parallelism, compile_config=CompileConfig(), ac_config=ac,
+                      parallelism=parallelism, compile_config=compile_config or CompileConfig(),
+                      ac_config=ac,
                       dump_folder="/tmp")
     for module in model.modules():  # gloo has no PREMUL_SUM: reduce with SUM and divide apart
         if isinstance(module, FSDPModule):
@@ -62,19 +69,55 @@ def _train(setup: str, rank: int, swap: bool) -> dict:
     from tests.integrations import torchtitan_cpu as tc
     swap_pass.reset()
     model = build(setup)
-    handle = swap_pass.enable_swap_layer_input(model) if swap else None
+    compiled = setup in COMPILE_SETUPS
+    if compiled:  # each block's forward compiled; the reference: the same compile, no swap
+        from torch import _dynamo
+        _dynamo.reset()
+        _dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
+        handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap).swap
+    else:
+        handle = swap_pass.enable_swap_layer_input(model) if swap else None
     seeds = [step if setup.startswith("tp") else 100 * step + rank
              for step in range(dist_worker.STEPS)]
-    return dist_worker.train_steps(model, model, handle, [tc.make_batch(seed=s) for s in seeds],
-                                   models.loss_of)
+    rec = dist_worker.train_steps(model, model, handle, [tc.make_batch(seed=s) for s in seeds],
+                                  models.loss_of)
+    if compiled:
+        rec["compiled"] = dist_worker._graphs(None)
+    return rec
+
+
+def module_compile_refused() -> str:
+    """The error of ``enable_swap_layer_input`` on ``dp_shard=2`` built with torchtitan's own
+    per-block compile (``CompileConfig(enable=True, backend="aot_eager")``: every block's
+    ``nn.Module.compile``); Dynamo's global knobs that torchtitan sets are restored after."""
+    import torch._dynamo
+    from torchtitan.config import CompileConfig
+
+    import swap_pass
+    saved = torch._dynamo.config.save_config()
+    try:
+        model = build("fsdp", compile_config=CompileConfig(enable=True, backend="aot_eager"))
+        try:
+            swap_pass.enable_swap_layer_input(model)
+        except RuntimeError as err:
+            return str(err)
+        return ""
+    finally:
+        torch._dynamo.config.load_config(saved)
+        torch._dynamo.reset()
 
 
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
-    """Entry point for ``torch.multiprocessing`` (``rank`` first)."""
+    """Entry point for ``torch.multiprocessing`` (``rank`` first); ``"module-compile"`` in
+    ``setups`` reports :func:`module_compile_refused` under ``"module-compile"``."""
     from tests.distributed import dist_worker
     _cpu_torchtitan()
     dist_worker.init(rank, world, port)
-    dist_worker.run_setups(rank, out_dir, setups, lambda setup, swap: _train(setup, rank, swap))
+    report = {}
+    if "module-compile" in setups:
+        report["module-compile"] = {"refused": module_compile_refused()}
+    dist_worker.run_setups(rank, out_dir, [s for s in setups if s != "module-compile"],
+                           lambda setup, swap: _train(setup, rank, swap), report=report)
 
 
 def _cpu_torchtitan() -> None:
