@@ -19,6 +19,8 @@ the resident saved bytes against the budget) to ``rank{r}.json``.
 * ``pp-gpipe``, ``pp-1f1b``: one pipeline stage per rank (``torch.distributed.pipelining``,
   ``tests/eager/pp_worker.py``'s tiny Llama, 4 micro-batches), ``SmartSwap`` over the rank's
   stage module around the schedule's whole step.
+* ``pp-fsdp2-gpipe``, ``pp-fsdp2-1f1b`` (:data:`PP_FSDP_RUNS`, on 4 ranks): the stages of
+  ``tests/distributed/pp_fsdp_worker.py``, 2 stages x 2-way ``fully_shard``, mesh ``("pp", "dp")``.
 
 ``run(..., setup=...)`` trains other models the same way (torchtitan's, in
 ``tests/integrations/torchtitan_dist_worker.py``).
