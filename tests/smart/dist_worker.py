@@ -20,7 +20,9 @@ the resident saved bytes against the budget) to ``rank{r}.json``.
   ``tests/eager/pp_worker.py``'s tiny Llama, 4 micro-batches), ``SmartSwap`` over the rank's
   stage module around the schedule's whole step.
 * ``pp-fsdp2-gpipe``, ``pp-fsdp2-1f1b`` (:data:`PP_FSDP_RUNS`, on 4 ranks): the stages of
-  ``tests/distributed/pp_fsdp_worker.py``, 2 stages x 2-way ``fully_shard``, mesh ``("pp", "dp")``.
+  ``tests/distributed/pp_fsdp_worker.py``, 2 stages x 2-way ``fully_shard``, mesh ``("pp", "dp")``;
+  ``pp-tp-gpipe``, ``pp-tp-1f1b`` (:data:`PP_TP_RUNS`, the same 4 ranks): the same stages x the
+  classic tensor-parallel plan on 2 ranks, mesh ``("pp", "tp")``.
 
 ``run(..., setup=...)`` trains other models the same way (torchtitan's, in
 ``tests/integrations/torchtitan_dist_worker.py``).
@@ -38,6 +40,7 @@ from torch import nn
 
 RUNS = ["fsdp2", "fsdp2-keep", "tp", "ddp", "fsdp2-ac", "tp-classic", "pp-gpipe", "pp-1f1b"]
 PP_FSDP_RUNS = ["pp-fsdp2-gpipe", "pp-fsdp2-1f1b"]  # on 4 ranks
+PP_TP_RUNS = ["pp-tp-gpipe", "pp-tp-1f1b"]  # on the same 4 ranks
 TITAN_RUNS = ("ddp", "fsdp2-ac", "tp-classic")  # built by tests/distributed/dist_worker.py
 STEPS, BATCH, SEQ, DIM, BLOCKS = 4, 2, 16, 64, 3
 BUDGET = 0.5  # SmartSwap's memory_budget: a fraction of the profiled saved peak
@@ -169,7 +172,7 @@ def setup_of(run: str, rank: int, mesh):
         same_data = run.startswith("tp")  # TP ranks share the batch
         return model, lambda step: models.batch(step if same_data else 100 * step + rank), \
             models.loss_of
-    if run.startswith("pp-fsdp2-"):
+    if run.startswith(("pp-fsdp2-", "pp-tp-")):
         return _pipeline_fsdp(run, rank)
     if run.startswith("pp-"):
         return _pipeline(run, rank)
@@ -277,25 +280,31 @@ _MESHES: dict = {}
 
 
 def _pipeline_fsdp(run: str, rank: int) -> tuple:
-    """``pp-fsdp2-gpipe``, ``pp-fsdp2-1f1b`` on 4 ranks: ``tests/distributed/pp_fsdp_worker.py``'s
-    stages (2 stages x 2-way ``fully_shard`` per block and stage, mesh ``("pp", "dp")``), under
-    ``ScheduleGPipe`` or ``Schedule1F1B``; each data-parallel rank its own batch."""
+    """``pp-fsdp2-gpipe``, ``pp-fsdp2-1f1b``, ``pp-tp-gpipe``, ``pp-tp-1f1b`` on 4 ranks:
+    ``tests/distributed/pp_fsdp_worker.py``'s stages (2 stages x 2-way ``fully_shard`` per block
+    and stage, mesh ``("pp", "dp")``, each data-parallel rank its own batch; or x the classic
+    tensor-parallel plan on 2 ranks, mesh ``("pp", "tp")``, both ranks of a stage on one batch),
+    under ``ScheduleGPipe`` or ``Schedule1F1B``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from tests.distributed import models as m
     from tests.distributed import pp_fsdp_worker as pf
-    world = dist.get_world_size()
-    if world not in _MESHES:  # one mesh (its process groups) for every run of the process
-        _MESHES[world] = init_device_mesh("cpu", (pf.STAGES, world // pf.STAGES),
-                                          mesh_dim_names=("pp", "dp"))
-    mesh = _MESHES[world]
-    stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    world, kind = dist.get_world_size(), "tp" if run.startswith("pp-tp-") else "dp"
+    if (world, kind) not in _MESHES:  # one mesh (its process groups) for every run of the process
+        _MESHES[world, kind] = init_device_mesh("cpu", (pf.STAGES, world // pf.STAGES),
+                                                mesh_dim_names=("pp", kind))
+    mesh = _MESHES[world, kind]
+    stage, dp_rank = mesh["pp"].get_local_rank(), mesh[kind].get_local_rank()
     module = pf.StageModel(stage)
-    for block in module.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
-    forward_backward = _schedule(run.removeprefix("pp-fsdp2-"), module, stage, pf.MICROBATCHES,
+    if kind == "tp":
+        m.apply_tp(module, mesh["tp"], "classic")
+        dp_rank = 0  # both tensor-parallel ranks: one batch
+    else:
+        for block in module.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    forward_backward = _schedule(run.rsplit("-", 1)[1], module, stage, pf.MICROBATCHES,
                                  (pf.BATCH // pf.MICROBATCHES, m.SEQ), m.DIM, m.VOCAB,
                                  m.loss_of, group=mesh["pp"].get_group())
     return module, lambda step: pf._batch(step, dp_rank), None, forward_backward

@@ -50,10 +50,11 @@ def test_smartswap_is_exact_within_budget_and_releases_bytes_on_every_rank(resul
 
 @pytest.fixture(scope="module")
 def pp_fsdp_results(tmp_path_factory) -> list[dict]:
-    """``dist_worker.PP_FSDP_RUNS`` on 4 ranks: 2 pipeline stages x 2-way FSDP2."""
+    """``dist_worker.PP_FSDP_RUNS`` and ``PP_TP_RUNS`` on 4 ranks: 2 pipeline stages x 2-way
+    FSDP2, then x 2-way classic tensor parallel."""
     out = tmp_path_factory.mktemp("smart_pp_fsdp")
-    spawn_with_deadline(dist_worker.run, (4, free_port(), str(out), dist_worker.PP_FSDP_RUNS),
-                        nprocs=4, seconds=280)
+    runs = dist_worker.PP_FSDP_RUNS + dist_worker.PP_TP_RUNS
+    spawn_with_deadline(dist_worker.run, (4, free_port(), str(out), runs), nprocs=4, seconds=420)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     for r in ranks:
         assert "error" not in r, r["error"]
@@ -77,6 +78,19 @@ def test_pipeline_x_fsdp2_under_smartswap(pp_fsdp_results):
     for run in dist_worker.PP_FSDP_RUNS:
         losses = dist_worker.STEPS * pp_fsdp_worker.MICROBATCHES  # the last stage's
         assert [per_run[run]["n_losses"] for per_run in pp_fsdp_results] == [0, 0] + [losses] * 2
+
+
+def test_pipeline_x_tensor_parallel_under_smartswap(pp_fsdp_results):
+    """The classic TP plan on each stage (the first stage's first block gets the embedding's
+    ``AsyncCollectiveTensor``): GPipe exact within budget on all 4 ranks; 1F1B as
+    :func:`check_1f1b` per stage; nothing kept as skipped."""
+    check(pp_fsdp_results, "pp-tp-gpipe")
+    check_1f1b(pp_fsdp_results, "pp-tp-1f1b", [0, 0, 1, 1])
+    for run in dist_worker.PP_TP_RUNS:
+        losses = dist_worker.STEPS * pp_fsdp_worker.MICROBATCHES  # the last stage's
+        assert [per_run[run]["n_losses"] for per_run in pp_fsdp_results] == [0, 0] + [losses] * 2
+        for rank, per_run in enumerate(pp_fsdp_results):
+            assert per_run[run]["skipped"] == {}, (rank, per_run[run])
 
 
 def check_1f1b(results: list[dict], run: str, stages: list[int]) -> None:
