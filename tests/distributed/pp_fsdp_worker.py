@@ -10,7 +10,9 @@ step (``ScheduleGPipe`` or ``Schedule1F1B``). ``STEPS`` AdamW steps, once withou
 ``enable_swap_layer_input`` on the stage module; the rank writes to ``rank<r>.json`` what the test
 asserts on: the last stage's losses, every gradient of every step and every parameter after the last
 step ``torch.equal`` (local shards), the stage's block inputs freed at the end of the first forward,
-bytes released, nothing pending, the batch intact.
+bytes released, nothing pending, the batch intact. ``COMPILED_SCHEDULES`` and ``TP_COMPILED``: the
+same with each stage's blocks compiled by ``swap_pass.compile_layers`` (aot_eager), with and without
+swap.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ STAGES, LAYERS_PER_STAGE, MICROBATCHES, BATCH, STEPS = 2, 4, 4, 4, 3
 # ("pp", "tp") of the same 4 ranks.
 SCHEDULES = ["gpipe", "1f1b"]
 TP_SCHEDULES = ["tp-gpipe", "tp-1f1b"]
+# Pipeline x FSDP2, each stage's blocks compiled by ``swap_pass.compile_layers`` (aot_eager), the
+# reference the same per-block compile without swap.
+COMPILED_SCHEDULES = ["gpipe-compiled", "1f1b-compiled"]
+# Pipeline x classic TP compiled the same way: the first stage's first backward fails in torch,
+# without swap too; run last, as the ranks fall out of step there (the other stage's ranks then
+# lose their peers).
+TP_COMPILED = "tp-gpipe-compiled"
 
 
 class StageModel(nn.Module):
@@ -67,16 +76,22 @@ def _build(schedule: str, mesh, swap: bool):
     from tests.distributed import models as m
     stage_idx = mesh["pp"].get_local_rank()
     model = StageModel(stage_idx)
-    handle = swap_pass.enable_swap_layer_input(model) if swap else None
+    compiled = schedule.endswith("-compiled")
+    handle = swap_pass.enable_swap_layer_input(model) if swap and not compiled else None
     if schedule.startswith("tp-"):  # classic plan: the embedding's all-reduce, Megatron-style
         m.apply_tp(model, mesh["tp"], "classic")
     else:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    if compiled:  # per-block compile as torchtitan does it, after parallelizing
+        from torch import _dynamo
+        _dynamo.reset()
+        _dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
+        handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap).swap
     stage = pp.PipelineStage(model, stage_idx, STAGES, torch.device("cpu"),
                              group=mesh["pp"].get_group())
-    cls = pp.ScheduleGPipe if schedule.endswith("gpipe") else pp.Schedule1F1B
+    cls = pp.ScheduleGPipe if "gpipe" in schedule else pp.Schedule1F1B
     return model, handle, cls(stage, n_microbatches=MICROBATCHES, loss_fn=m.loss_of)
 
 
@@ -102,7 +117,7 @@ def _watch(model):
 def _train(schedule: str, mesh, swap: bool) -> dict:
     import swap_pass
     from tests.distributed import models as m
-    from tests.distributed.dist_worker import close_record
+    from tests.distributed.dist_worker import _graphs, close_record
     swap_pass.reset()
     model, handle, sched = _build(schedule, mesh, swap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -128,6 +143,8 @@ def _train(schedule: str, mesh, swap: bool) -> dict:
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
+    if schedule.endswith("-compiled"):
+        rec["compiled"] = _graphs(None)
     return close_record(rec, caught, handle, params=m.state(model, "data"), freed=freed[0])
 
 
@@ -145,6 +162,7 @@ def _compare(ref: dict, got: dict) -> dict:
         "n_params": len(got["params"]), "ref_outs": ref["outs"][-1],
         **{k: got[k] for k in ("outs", "freed", "released", "swapped_in", "skipped", "clean",
                                 "warnings")},
+        "compiled": got.get("compiled"),
         "intact": got["intact"] and ref["intact"],
     }
 
