@@ -34,6 +34,9 @@ COMPILED_SCHEDULES = ["gpipe-compiled", "1f1b-compiled"]
 # without swap too; run last, as the ranks fall out of step there (the other stage's ranks then
 # lose their peers).
 TP_COMPILED = "tp-gpipe-compiled"
+# The same with the first stage's first block left eager (``compile_layers(..., layers=...)`` on the
+# others): every compiled block runs.
+TP_LATER_COMPILED = ["tp-gpipe-compiled-later", "tp-1f1b-compiled-later"]
 
 
 class StageModel(nn.Module):
@@ -76,7 +79,7 @@ def _build(schedule: str, mesh, swap: bool):
     from tests.distributed import models as m
     stage_idx = mesh["pp"].get_local_rank()
     model = StageModel(stage_idx)
-    compiled = schedule.endswith("-compiled")
+    compiled = "-compiled" in schedule
     handle = swap_pass.enable_swap_layer_input(model) if swap and not compiled else None
     if schedule.startswith("tp-"):  # classic plan: the embedding's all-reduce, Megatron-style
         m.apply_tp(model, mesh["tp"], "classic")
@@ -88,7 +91,10 @@ def _build(schedule: str, mesh, swap: bool):
         from torch import _dynamo
         _dynamo.reset()
         _dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
-        handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap).swap
+        later = schedule.endswith("-later") and stage_idx == 0  # the first block left eager
+        layers = list(model.layers)[1:] if later else None
+        handle = swap_pass.compile_layers(model, backend="aot_eager", layers=layers,
+                                          swap=swap).swap
     stage = pp.PipelineStage(model, stage_idx, STAGES, torch.device("cpu"),
                              group=mesh["pp"].get_group())
     cls = pp.ScheduleGPipe if "gpipe" in schedule else pp.Schedule1F1B
@@ -143,7 +149,7 @@ def _train(schedule: str, mesh, swap: bool) -> dict:
             rec["clean"] &= pending == 0 and stats.host_bytes_in_use == 0
     for hook in hooks:
         hook.remove()
-    if schedule.endswith("-compiled"):
+    if "-compiled" in schedule:
         rec["compiled"] = _graphs(None)
     return close_record(rec, caught, handle, params=m.state(model, "data"), freed=freed[0])
 

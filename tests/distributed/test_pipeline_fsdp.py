@@ -11,7 +11,8 @@ its forward (on the second stage also the first block's, counted and warned, see
 micro-batches the schedule has in flight at once; nothing pending; the batch intact; no other
 warning. The FSDP2 schedules again with each stage's blocks compiled by
 ``swap_pass.compile_layers`` (aot_eager), against the same per-block compile without swap, with the
-same checks; the classic TP ones compiled so fail in torch, without swap too (asserted as such).
+same checks; the classic TP ones compiled so fail in torch, without swap too (asserted as such),
+and run with the first stage's first block left eager.
 Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run their swapped steps under
 ``swap_pass.testing.stream_model`` and report its hazards.
 """
@@ -61,7 +62,7 @@ def reports(tmp_path_factory) -> list[dict]:
         pytest.skip("torch.distributed with gloo is not available in this build")
     return spawn_ranks(worker.run, RANKS, tmp_path_factory.mktemp("pp_fsdp"),
                        [*worker.SCHEDULES, *worker.TP_SCHEDULES, *worker.COMPILED_SCHEDULES,
-                        worker.TP_COMPILED], seconds=540)
+                        *worker.TP_LATER_COMPILED, worker.TP_COMPILED], seconds=540)
 
 
 @pytest.mark.parametrize("schedule", worker.SCHEDULES + worker.COMPILED_SCHEDULES)
@@ -104,14 +105,20 @@ def test_pipeline_x_fsdp2_exact_and_swapped_on_every_rank(reports, schedule):
             assert compiled["graphs"] >= 1 and compiled["breaks"] == 0, (rank, compiled)
 
 
-@pytest.mark.parametrize("schedule", worker.TP_SCHEDULES)
+@pytest.mark.parametrize("schedule", worker.TP_SCHEDULES + worker.TP_LATER_COMPILED)
 def test_pipeline_x_tensor_parallel_exact_and_swapped_on_every_rank(reports, schedule):
     """2 stages x the classic TP plan on 2 ranks each: every block input but each stage's last is
     swapped, the first stage's first (an ``AsyncCollectiveTensor``, the embedding's all-reduce)
-    and the second stage's first (the received activation) included; nothing kept or warned."""
-    per_mb = worker.LAYERS_PER_STAGE - 1
+    and the second stage's first (the received activation) included; nothing kept or warned.
+
+    ``-compiled-later``: each stage's blocks compiled by ``compile_layers`` (aot_eager; no graph
+    break), the first stage's first left eager and out of the swap (``layers=``; compiled, it
+    fails in torch, see the test below), against the same per-block compile without swap."""
+    later = schedule.endswith("-compiled-later")
     for rank, report in enumerate(reports):
         res, stage = report[schedule], report["stage"]
+        eager_first = later and stage == 0  # not a swapped layer: its input stays, uncounted
+        per_mb = worker.LAYERS_PER_STAGE - 1 - eager_first
         assert "error" not in res, res.get("error")
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         last = stage == worker.STAGES - 1
@@ -121,12 +128,16 @@ def test_pipeline_x_tensor_parallel_exact_and_swapped_on_every_rank(reports, sch
         assert inference in (0, 1), (rank, res)
         forwards = [worker.MICROBATCHES * (s + 1) + inference for s in range(worker.STEPS)]
         assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
-        assert res["freed"] == [True] * per_mb + [False], (rank, res)
+        assert res["freed"] == [not eager_first] + [True] * (per_mb - 1 + eager_first) + [False], (
+            rank, res)
         assert res["released"] == in_flight(schedule, stage) * per_mb * LAYER_INPUT, (rank, res)
         assert res["swapped_in"] == res["outs"][-1] * LAYER_INPUT, (rank, res)
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)
+        if later:
+            compiled = res["compiled"]
+            assert compiled["graphs"] >= 1 and compiled["breaks"] == 0, (rank, compiled)
 
 
 def test_pipeline_x_classic_tp_per_block_compile_fails_in_torch_alone(reports):
