@@ -1,7 +1,7 @@
 """SmartSwap on DDP, FSDP2 (also with ``checkpoint_wrapper``), tensor + sequence parallel,
 classic tensor parallel and pipeline-parallel (``ScheduleGPipe``, ``Schedule1F1B``, one stage per
 rank) models: 2 gloo ranks spawned for real; pipeline x FSDP2 (2 stages x 2-way ``fully_shard``)
-on 4 more.
+and pipeline x classic tensor parallel (2 stages x 2-way TP) on 4 more.
 
 The worker (``dist_worker.py``) trains each setup with and without SmartSwap (``memory_budget=0.5``)
 for 4 AdamW steps; here every rank must report: every loss, gradient and parameter bitwise equal,
