@@ -10,9 +10,9 @@ step (``ScheduleGPipe`` or ``Schedule1F1B``). ``STEPS`` AdamW steps, once withou
 ``enable_swap_layer_input`` on the stage module; the rank writes to ``rank<r>.json`` what the test
 asserts on: the last stage's losses, every gradient of every step and every parameter after the last
 step ``torch.equal`` (local shards), the stage's block inputs freed at the end of the first forward,
-bytes released, nothing pending, the batch intact. ``COMPILED_SCHEDULES`` and ``TP_COMPILED``: the
-same with each stage's blocks compiled by ``swap_pass.compile_layers`` (aot_eager), with and without
-swap.
+bytes released, nothing pending, the batch intact. ``COMPILED_SCHEDULES`` and
+``TP_LATER_COMPILED``: the same with each stage's blocks compiled by ``swap_pass.compile_layers``
+(aot_eager), with and without swap.
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ TP_SCHEDULES = ["tp-gpipe", "tp-1f1b"]
 # Pipeline x FSDP2, each stage's blocks compiled by ``swap_pass.compile_layers`` (aot_eager), the
 # reference the same per-block compile without swap.
 COMPILED_SCHEDULES = ["gpipe-compiled", "1f1b-compiled"]
-# Pipeline x classic TP compiled the same way: the first stage's first backward fails in torch,
-# without swap too; run last, as the ranks fall out of step there (the other stage's ranks then
-# lose their peers).
-TP_COMPILED = "tp-gpipe-compiled"
-# The same with the first stage's first block left eager (``compile_layers(..., layers=...)`` on the
-# others): every compiled block runs.
+# Pipeline x classic TP compiled the same way, the first stage's first block left eager
+# (``compile_layers(..., layers=...)`` on the others): compiled, that block's backward fails in
+# torch without swap too (tests/distributed/test_compile_layers.py).
 TP_LATER_COMPILED = ["tp-gpipe-compiled-later", "tp-1f1b-compiled-later"]
 
 
