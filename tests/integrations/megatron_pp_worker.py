@@ -2,9 +2,9 @@
 
 ``python -m torch.distributed.run --nproc-per-node N megatron_pp_worker.py OUT SCHEDULE``:
 Megatron's own ``get_forward_backward_func()`` runs 1F1B (``SCHEDULE=1f1b``, 2 stages, N=2), the
-interleaved schedule (``interleaved``, 2 virtual stages per rank, N=2) or 1F1B with tensor
-parallel 2 and sequence parallel (``1f1b-tp2``, N=4; the sequence-parallel norms of
-``megatron_cpu.sequence_parallel_spec``) with full recompute, once
+interleaved schedule (``interleaved``, 2 virtual stages per rank, N=2), or either with tensor
+parallel 2 and sequence parallel (``1f1b-tp2``, ``interleaved-tp2``, N=4; the sequence-parallel
+norms of ``megatron_cpu.sequence_parallel_spec``) with full recompute, once
 without swap and once with ``swap_pass.integrations.megatron.enable`` on the model chunks. The
 rank writes what the test asserts on (bitwise equality, swaps done, nothing pending) to
 ``OUT/rank{R}.json``.
@@ -29,7 +29,8 @@ MICROBATCHES, LAYERS = 4, 8
 
 
 # schedule -> (virtual stages per rank, tensor-parallel size); TP runs with sequence parallel.
-SCHEDULES = {"1f1b": (None, 1), "interleaved": (2, 1), "1f1b-tp2": (None, 2)}
+SCHEDULES = {"1f1b": (None, 1), "interleaved": (2, 1), "1f1b-tp2": (None, 2),
+             "interleaved-tp2": (2, 2)}
 
 
 def _chunks(vp: int | None, tp: int) -> list[torch.nn.Module]:

@@ -1,7 +1,7 @@
 """Megatron's own pipeline schedules on gloo ranks (torchrun, CPU), full recompute.
 
 1F1B (2 stages, 4 layers each) and interleaved (2 virtual stages per rank, 2 layers each) on 2
-ranks, and 1F1B with tensor parallel 2 + sequence parallel on 4 ranks (2 stages x 2), 4
+ranks, and both with tensor parallel 2 + sequence parallel on 4 ranks (2 stages x 2), 4
 micro-batches: every loss and gradient bitwise equal to the same schedule without swap, every
 swapped group restored (each chunk's last layer keeps its input), nothing pending on any rank.
 The ranks are killed if they outlive a deadline (a rank stuck in p2p would otherwise hang CI).
@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("megatron.core",
                     reason="megatron-core is not installed (pip install 'swap-pass[megatron]')")
 
+from tests.integrations import megatron_cpu as mc  # noqa: E402
 from tests.integrations import megatron_pp_worker as worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -55,14 +56,15 @@ def _torchrun(out: Path, schedule: str) -> list[dict]:
 
 # Per rank: swapped layers per micro-batch (each chunk's last layer keeps its input) x 4.
 SWAPS = {"1f1b": (4 - 1) * worker.MICROBATCHES, "interleaved": 2 * (2 - 1) * worker.MICROBATCHES,
-         "1f1b-tp2": (4 - 1) * worker.MICROBATCHES}
+         "1f1b-tp2": (4 - 1) * worker.MICROBATCHES,
+         "interleaved-tp2": 2 * (2 - 1) * worker.MICROBATCHES}
 
 
 def _released(schedule: str, rank: int) -> int | None:
     """Peak bytes released on ``rank`` under 1F1B: the 3 swapped layer inputs of each micro-batch
     in flight (2 on the first stage, 1 on the last), each ``[seq / TP, batch 2, hidden]`` fp32:
-    this rank's sequence shard under tensor + sequence parallel. None: not derived (interleaved)."""
-    from tests.integrations import megatron_cpu as mc
+    this rank's sequence shard under tensor + sequence parallel. None: not derived (interleaved;
+    there the test asserts whole layer inputs of that size)."""
     vp, tp = worker.SCHEDULES[schedule]
     if vp is not None:
         return None
@@ -79,5 +81,7 @@ def test_megatron_pipeline_bitwise_equal(schedule, tmp_path):
         assert report["released"] > 0, (rank, report)
         expected = _released(schedule, rank)
         assert expected is None or report["released"] == expected, (rank, report)
+        shard = (mc.SEQ // worker.SCHEDULES[schedule][1]) * 2 * mc.HIDDEN * 4
+        assert report["released"] % shard == 0, (rank, report)
         assert report["pending"] == 0 and report["host_in_use"] == 0, (rank, report)
         assert report["batches_intact"], (rank, report)
