@@ -27,6 +27,8 @@ STAGES, LAYERS_PER_STAGE, MICROBATCHES, BATCH, STEPS = 2, 4, 4, 4, 3
 # ("pp", "tp") of the same 4 ranks.
 SCHEDULES = ["gpipe", "1f1b"]
 TP_SCHEDULES = ["tp-gpipe", "tp-1f1b"]
+# Pipeline x tensor + sequence parallel: DTensor activations between blocks and stages.
+SP_SCHEDULES = ["sp-gpipe", "sp-1f1b"]
 # Pipeline x FSDP2, each stage's blocks compiled by ``swap_pass.compile_layers`` (aot_eager), the
 # reference the same per-block compile without swap.
 COMPILED_SCHEDULES = ["gpipe-compiled", "1f1b-compiled"]
@@ -68,6 +70,12 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def _tp_mesh_of(mesh):
+    """The callback with which a stage re-wraps a received plain tensor as the DTensor the previous
+    stage sent (torchtitan passes its own): the stage's ``tp`` mesh for every name."""
+    return lambda names, layout: mesh["tp"]
+
+
 def _build(schedule: str, mesh, swap: bool):
     from torch.distributed import pipelining as pp
     from torch.distributed.fsdp import fully_shard
@@ -78,7 +86,11 @@ def _build(schedule: str, mesh, swap: bool):
     model = StageModel(stage_idx)
     compiled = "-compiled" in schedule
     handle = swap_pass.enable_swap_layer_input(model) if swap and not compiled else None
-    if schedule.startswith("tp-"):  # classic plan: the embedding's all-reduce, Megatron-style
+    get_mesh = None
+    if schedule.startswith("sp-"):  # DTensor activations, also across the stage boundary
+        m.apply_tp(model, mesh["tp"], "sp")
+        get_mesh = _tp_mesh_of(mesh)
+    elif schedule.startswith("tp-"):  # classic plan: the embedding's all-reduce, Megatron-style
         m.apply_tp(model, mesh["tp"], "classic")
     else:
         for block in model.layers:
@@ -93,7 +105,7 @@ def _build(schedule: str, mesh, swap: bool):
         handle = swap_pass.compile_layers(model, backend="aot_eager", layers=layers,
                                           swap=swap).swap
     stage = pp.PipelineStage(model, stage_idx, STAGES, torch.device("cpu"),
-                             group=mesh["pp"].get_group())
+                             group=mesh["pp"].get_group(), get_mesh=get_mesh)
     cls = pp.ScheduleGPipe if "gpipe" in schedule else pp.Schedule1F1B
     return model, handle, cls(stage, n_microbatches=MICROBATCHES, loss_fn=m.loss_of)
 
@@ -182,6 +194,6 @@ def run(rank: int, world: int, port: int, out_dir: str, schedules: list[str]) ->
     mesh = meshes["dp"]
     report: dict = {"stage": mesh["pp"].get_local_rank(), "dp_rank": mesh["dp"].get_local_rank()}
     run_setups(rank, out_dir, schedules,
-               lambda schedule, swap: _train(schedule, meshes[schedule[:2]] if
-                                             schedule.startswith("tp-") else mesh, swap),
+               lambda schedule, swap: _train(
+                   schedule, meshes["tp"] if schedule.startswith(("tp-", "sp-")) else mesh, swap),
                compare_runs=_compare, report=report)

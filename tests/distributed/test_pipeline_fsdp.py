@@ -2,19 +2,19 @@
 ``fully_shard`` or 2-way TP, one 2-D mesh each.
 
 One spawned group of 4 ranks runs ``ScheduleGPipe`` and ``Schedule1F1B`` with FSDP2
-(``pp_fsdp_worker.SCHEDULES``) and with the classic TP plan (``TP_SCHEDULES``), each three optimizer
-steps of 4 micro-batches without and with ``enable_swap_layer_input`` on each stage's module. Per
-rank: the last stage's losses, every gradient of every step and every parameter after the last step
-``torch.equal`` (local shards); each stage's block inputs but the last off the device at the end of
-its forward (on the second stage also the first block's, counted and warned, see
+(``pp_fsdp_worker.SCHEDULES``), with the classic TP plan (``TP_SCHEDULES``) and with tensor +
+sequence parallel (``SP_SCHEDULES``, DTensor activations across the stage boundary), each three
+optimizer steps of 4 micro-batches without and with ``enable_swap_layer_input`` on each stage's
+module. Per rank: the last stage's losses, every gradient of every step and every parameter after
+the last step ``torch.equal`` (local shards); each stage's block inputs but the last off the device
+at the end of its forward (on the second stage also the first block's, counted and warned, see
 :func:`swapped_per_microbatch`); bytes released on this rank exactly the block inputs of the
 micro-batches the schedule has in flight at once; nothing pending; the batch intact; no other
-warning. The FSDP2 schedules again with each stage's blocks compiled by
-``swap_pass.compile_layers`` (aot_eager), against the same per-block compile without swap, with the
-same checks; the classic TP ones compiled so fail in torch, without swap too (asserted as such),
-and run with the first stage's first block left eager.
-Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run their swapped steps under
-``swap_pass.testing.stream_model`` and report its hazards.
+warning. The FSDP2 schedules again with each stage's blocks compiled by ``swap_pass.compile_layers``
+(aot_eager), against the same per-block compile without swap, with the same checks; the classic TP
+ones compiled so fail in torch, without swap too (``test_compile_layers.py``), and run with the
+first stage's first block left eager. Under ``SWAP_PASS_STREAM_MODEL=1`` the ranks run their swapped
+steps under ``swap_pass.testing.stream_model`` and report its hazards.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def reports(tmp_path_factory) -> list[dict]:
         pytest.skip("torch.distributed with gloo is not available in this build")
     return spawn_ranks(worker.run, RANKS, tmp_path_factory.mktemp("pp_fsdp"),
                        [*worker.SCHEDULES, *worker.TP_SCHEDULES, *worker.COMPILED_SCHEDULES,
-                        *worker.TP_LATER_COMPILED], seconds=540)
+                        *worker.TP_LATER_COMPILED, *worker.SP_SCHEDULES], seconds=540)
 
 
 @pytest.mark.parametrize("schedule", worker.SCHEDULES + worker.COMPILED_SCHEDULES)
@@ -105,16 +105,23 @@ def test_pipeline_x_fsdp2_exact_and_swapped_on_every_rank(reports, schedule):
             assert compiled["graphs"] >= 1 and compiled["breaks"] == 0, (rank, compiled)
 
 
-@pytest.mark.parametrize("schedule", worker.TP_SCHEDULES + worker.TP_LATER_COMPILED)
+@pytest.mark.parametrize("schedule",
+                         worker.TP_SCHEDULES + worker.TP_LATER_COMPILED + worker.SP_SCHEDULES)
 def test_pipeline_x_tensor_parallel_exact_and_swapped_on_every_rank(reports, schedule):
     """2 stages x the classic TP plan on 2 ranks each: every block input but each stage's last is
     swapped, the first stage's first (an ``AsyncCollectiveTensor``, the embedding's all-reduce)
     and the second stage's first (the received activation) included; nothing kept or warned.
 
     ``-compiled-later``: each stage's blocks compiled by ``compile_layers`` (aot_eager; no graph
-    break), the first stage's first left eager and out of the swap (``layers=``; compiled, it
-    fails in torch, see the test below), against the same per-block compile without swap."""
+    break), the first stage's first left eager and out of the swap (``layers=``; compiled, its
+    backward fails in torch without swap too, ``test_compile_layers.py``), against the same
+    per-block compile without swap.
+
+    ``sp-``: tensor + sequence parallel, DTensor activations between blocks and across the stage
+    boundary (the second stage re-wraps what it receives as a DTensor, ``get_mesh``): each block
+    input's local sequence shard is swapped, half a full input's bytes."""
     later = schedule.endswith("-compiled-later")
+    layer_input = LAYER_INPUT // 2 if schedule.startswith("sp-") else LAYER_INPUT
     for rank, report in enumerate(reports):
         res, stage = report[schedule], report["stage"]
         eager_first = later and stage == 0  # not a swapped layer: its input stays, uncounted
@@ -130,8 +137,8 @@ def test_pipeline_x_tensor_parallel_exact_and_swapped_on_every_rank(reports, sch
         assert res["outs"] == [per_mb * n for n in forwards], (rank, res)
         assert res["freed"] == [not eager_first] + [True] * (per_mb - 1 + eager_first) + [False], (
             rank, res)
-        assert res["released"] == in_flight(schedule, stage) * per_mb * LAYER_INPUT, (rank, res)
-        assert res["swapped_in"] == res["outs"][-1] * LAYER_INPUT, (rank, res)
+        assert res["released"] == in_flight(schedule, stage) * per_mb * layer_input, (rank, res)
+        assert res["swapped_in"] == res["outs"][-1] * layer_input, (rank, res)
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)
