@@ -7,8 +7,10 @@ torchtitan's full activation checkpointing;
 three optimizer steps without and with ``enable_swap_layer_input``, compared by
 ``tests.distributed.dist_worker``; ``COMPILE_SETUPS``: each block's forward compiled by
 ``swap_pass.compile_layers`` (aot_eager), without and with swap; ``"module-compile"``: the
-refusal of swap on blocks torchtitan's own compile compiled. :func:`run_smart`: the same model,
-``dp_shard=2`` and ``tp=2``, without and with ``SmartSwap``, by ``tests.smart.dist_worker``.
+refusal of swap on blocks torchtitan's own compile compiled; ``FULL_AC_COMPILE``: the error of
+``compile_layers`` on the full-AC blocks, without and with swap. :func:`run_smart`: the same
+model, ``dp_shard=2``, ``tp=2`` and ``tp=2`` with full AC, without and with ``SmartSwap``, by
+``tests.smart.dist_worker``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ import torch
 SETUPS = ["fsdp", "tp", "tp-full-ac"]
 # Each block's forward compiled with swap_pass.compile_layers(model, backend="aot_eager") after
 # parallelize_llama (torchtitan's own compile off), against the same compile without swap.
-COMPILE_SETUPS = ["fsdp-compile-layers", "tp-compile-layers"]
+# "tp-full-ac-compile-wrapped": under FullAC, the modules inside torch's checkpoint_wrapper
+# compiled (layers=...), the checkpoint eager around them.
+COMPILE_SETUPS = ["fsdp-compile-layers", "tp-compile-layers", "tp-full-ac-compile-wrapped"]
+# compile_layers(model) under FullAC compiles each checkpoint_wrapper's forward: Dynamo traces the
+# checkpoint over the DTensor block, and torch fails in the first forward, without swap too.
+FULL_AC_COMPILE = "tp-full-ac-compile-layers"
 SMART_SETUPS = ["fsdp", "tp"]
+# SmartSwap on tp=2 with FullAC, at the same budget: out of reach (see the test).
+SMART_FULL_AC = "tp-full-ac"
 # SmartSwap's memory_budget here. At 0.5 the tp=2 plan is infeasible: at the end of the forward
 # (the loss) more than half the profiled saved peak is held by the forward itself.
 SMART_BUDGET = 0.75
@@ -52,7 +61,7 @@ def build(setup: str, world: int = 2, compile_config=None) -> torch.nn.Module:
     dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=1,
                         world_size=world, spmd_backend="partial_dtensor")
     dims.build_mesh()
-    ac = FullAC.Config() if setup.endswith("full-ac") else None
+    ac = FullAC.Config() if "full-ac" in setup else None
     parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
                       parallelism=parallelism, compile_config=compile_config or CompileConfig(),
                       ac_config=ac,
@@ -74,7 +83,11 @@ def _train(setup: str, rank: int, swap: bool) -> dict:
         from torch import _dynamo
         _dynamo.reset()
         _dynamo.utils.counters.clear()  # graphs and breaks of this compile alone
-        handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap).swap
+        layers = None  # compile_layers finds the blocks
+        if setup.endswith("wrapped"):  # the modules inside torch's checkpoint_wrapper
+            layers = [block._checkpoint_wrapped_module for block in model.layers.values()]
+        handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap,
+                                          layers=layers).swap
     else:
         handle = swap_pass.enable_swap_layer_input(model) if swap else None
     seeds = [step if setup.startswith("tp") else 100 * step + rank
@@ -107,16 +120,43 @@ def module_compile_refused() -> str:
         torch._dynamo.reset()
 
 
+def full_ac_compile_error(swap: bool) -> str:
+    """``"<type>: <message>"`` of the error of the first forward of ``tp-full-ac`` with every block
+    compiled by ``compile_layers(model, backend="aot_eager", swap=swap)``; ``""`` when it runs."""
+    from torch import _dynamo
+
+    import swap_pass
+    from tests.integrations import torchtitan_cpu as tc
+    swap_pass.reset()
+    _dynamo.reset()
+    model = build(SMART_FULL_AC)
+    handle = swap_pass.compile_layers(model, backend="aot_eager", swap=swap)
+    try:
+        model(tc.make_batch()[0])
+    except Exception as err:  # noqa: BLE001  (reported)
+        return f"{type(err).__name__}: {err}"
+    finally:
+        handle.remove()
+        swap_pass.reset()
+    return ""
+
+
 def run(rank: int, world: int, port: int, out_dir: str, setups: list[str]) -> None:
     """Entry point for ``torch.multiprocessing`` (``rank`` first); ``"module-compile"`` in
-    ``setups`` reports :func:`module_compile_refused` under ``"module-compile"``."""
+    ``setups`` reports :func:`module_compile_refused` under ``"module-compile"``,
+    ``FULL_AC_COMPILE`` :func:`full_ac_compile_error` without (``"torch"``) and with
+    (``"swap_pass"``) swap."""
     from tests.distributed import dist_worker
     _cpu_torchtitan()
     dist_worker.init(rank, world, port)
     report = {}
     if "module-compile" in setups:
         report["module-compile"] = {"refused": module_compile_refused()}
-    dist_worker.run_setups(rank, out_dir, [s for s in setups if s != "module-compile"],
+    if FULL_AC_COMPILE in setups:
+        report[FULL_AC_COMPILE] = {"torch": full_ac_compile_error(False),
+                                   "swap_pass": full_ac_compile_error(True)}
+    dist_worker.run_setups(rank, out_dir,
+                           [s for s in setups if s not in ("module-compile", FULL_AC_COMPILE)],
                            lambda setup, swap: _train(setup, rank, swap), report=report)
 
 
