@@ -169,9 +169,10 @@ def _is_whole_alias_of_grad_leaf(t: torch.Tensor, base: torch.Tensor) -> bool:
         ``grad_fn``: FSDP2's pre-forward hook does so with every input that requires grad (its
         ``RegisterPostBackwardFunction``), so a pipeline stage sharded with ``fully_shard`` gives
         its first block an alias of the received activation, not the leaf itself. Such an alias
-        is the leaf under another name: it is treated as the leaf is (swappable), whereas a
-        part of a leaf (``x[:, :16]``) and anything over a ``torch.nn.Parameter`` stay the
-        caller's.
+        is the leaf under another name: it is treated as the leaf is (swappable), and the leaf
+        joins the swap with it, so that the caller's reference to the leaf reads as swapped out
+        (``SwapDataError``) until backward rather than reading a freed storage; a part of a
+        leaf (``x[:, :16]``) and anything over a ``torch.nn.Parameter`` stay the caller's.
     """
     if not base.requires_grad or isinstance(base, torch.nn.Parameter):
         return False
@@ -215,6 +216,9 @@ def swappable_layer_inputs(tensors: Sequence[torch.Tensor], layer: str, *,
             record_skip(SkipReason.USER_DATA, t.untyped_storage().nbytes(), where=layer)
             continue
         keep.append(t)
+        base = t._base
+        if base is not None and base.grad_fn is None and all(k is not base for k in keep):
+            keep.append(base)  # a received leaf under an alias: guarded with it, see the Note
     return keep
 
 

@@ -242,8 +242,10 @@ class _Received(Stack):
 @pytest.mark.parametrize("prep", ["alias", "nested", "part", "parameter"])
 def test_a_whole_alias_of_a_leaf_needing_grad_is_swapped_like_the_leaf(prep):
     """A pipeline stage under ``fully_shard`` gets an alias of its received leaf: swapped, with
-    the leaf's gradient exact; a part of a leaf and an alias of a parameter stay the caller's,
-    and an alias with a second alias still referenced stays, counted and warned."""
+    the leaf's gradient exact, and the leaf reads as swapped out until backward (an error, where
+    reading the freed storage would crash the process); a part of a leaf and an alias of a
+    parameter stay the caller's, and an alias with a second alias still referenced stays,
+    counted and warned."""
     ref = _Received(prep)
     model = copy.deepcopy(ref)
     handle = swap_pass.enable_swap_layer_input(model, layers=model.layers)
@@ -255,6 +257,9 @@ def test_a_whole_alias_of_a_leaf_needing_grad_is_swapped_like_the_leaf(prep):
     def during():
         seen["freed"] = _freed_inputs(handle)
         seen["leaf"] = xs[1].untyped_storage().nbytes()
+        if prep == "alias":  # the caller's leaf is guarded with its alias: an error, no crash
+            with pytest.raises(swap_pass.SwapDataError):
+                xs[1].sum()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
