@@ -173,19 +173,14 @@ class SmartExecutor:
                         or slot.aliases[0].untyped_storage().nbytes() < floor
                         or not slot.releasable()):
                     continue
-                group = SwapTensors(slot.aliases, config=self.swap_config,
-                                    name=f"smart#{slot.ordinal}")
-                slot.group = group
                 t0 = now()
-                group.swap_to_host()
+                group = self._swap_out(slot)
                 group.wait_d2h()
                 self._t_transfer += now() - t0
                 profile = unit.profile
                 if profile is not None and profile.storages[slot.ordinal].released is None:
                     profile.storages[slot.ordinal].released = self.tick
                 self.report.evicted_bytes += group.nbytes
-                self.report.swapped_storages += 1
-                self.report.swapped_bytes += group.nbytes
 
     def end_step(self, step_s: float) -> StepReport:
         """Finish the step: complete copies, close the profiles, return the :class:`StepReport`."""
@@ -443,9 +438,7 @@ class SmartExecutor:
         if not slot.swap:
             return
         t0 = now()
-        group = SwapTensors(slot.aliases, config=self.swap_config, name=f"smart#{slot.ordinal}")
-        slot.group = group
-        group.swap_to_host()
+        group = self._swap_out(slot)
         slot.issued, slot.due = self.unit.group, self._due()
         if (slot.due > self.unit.group
                 or (group.device is not None and is_async_device(group.device))):
@@ -455,8 +448,15 @@ class SmartExecutor:
         self._t_transfer += now() - t0
         slot.order = len(self.unit.released)
         self.unit.released.append(weakref.ref(slot))
+
+    def _swap_out(self, slot: Slot) -> SwapTensors:
+        """Start ``slot``'s device-to-host copy in a group of its own, counted in the report."""
+        group = SwapTensors(slot.aliases, config=self.swap_config, name=f"smart#{slot.ordinal}")
+        slot.group = group
+        group.swap_to_host()
         self.report.swapped_storages += 1
         self.report.swapped_bytes += group.nbytes
+        return group
 
     def _due(self) -> int:
         """Logical layer at whose first saved tensor a copy started now is waited for.
