@@ -79,6 +79,17 @@ dies with a copy queued is neither a race nor a hazard (the caching host allocat
 block out again only after the copies that used it completed); that copy is not performed and
 counts in ``copies_on_dead_blocks`` too.
 
+Note: [The current stream in the model]
+As on a device, the current stream is per thread and follows stream contexts: while the runtime
+issues a copy (its ``with side_stream:`` on a device), the side stream is current, and code that
+runs there, such as a finalizer called by the cyclic garbage collector
+(:meth:`StreamModel.during_next_copy` runs one there), sees the side stream when it asks for
+the current one. A storage's allocating stream is the stream current where the runtime gave it
+its bytes (``DeviceStreams.allocate_storage``), or else the compute stream current where the
+model first met it. A side stream that waits on an event does not complete the event's copies:
+its later copies run after them, but a reader on the compute stream still finds the data missing
+until the compute stream (the host) waits itself.
+
 Several fake devices (:meth:`StreamModel.device`), each with a compute stream and two side
 streams, share the one host pool, as several accelerators of one process do. The compute stream
 may be replaced, per thread, by another of the model's streams (:meth:`StreamModel.use_stream`),
@@ -112,7 +123,17 @@ import torch
 from swap_pass.runtime import device as _device
 from swap_pass.runtime.host_pool import host_pool
 
-__all__ = ["ModelEvent", "ModelStream", "StreamModel", "StreamRaceError", "poison_", "stream_model"]
+__all__ = [
+    "FailureInjector",
+    "InjectedFailure",
+    "ModelEvent",
+    "ModelStream",
+    "StreamModel",
+    "StreamRaceError",
+    "inject_failures",
+    "poison_",
+    "stream_model",
+]
 
 
 class StreamRaceError(AssertionError):
@@ -170,6 +191,12 @@ class _Side:
             storage, self.offset, self.size, self.stride)
 
 
+def _poison_side(side: _Side) -> None:
+    t = side.tensor()
+    if t is not None:
+        poison_(t)
+
+
 @dataclasses.dataclass
 class _Copy:
     dst: _Side
@@ -178,6 +205,14 @@ class _Copy:
     then: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     stream: ModelStream | None = None  # the side stream it was queued on, and its counter there
     counter: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wait:
+    """A side stream's wait on another stream's event, queued among its copies."""
+
+    stream: ModelStream
+    position: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +245,7 @@ class ModelStream:
         # Compute streams: per thread, this stream's counter at that thread's last action (see
         # Note: [Producer waits per thread]).
         self.marks: dict[int, int] = {}
-        self.queue: deque[_Copy] = deque()
+        self.queue: deque[_Copy | _Wait] = deque()
         self.issued = 0  # copies ever queued
         self.done = 0  # copies ever completed
 
@@ -246,9 +281,15 @@ class ModelStream:
                 self.clock[k] = v
 
     def wait_event(self, event: ModelEvent) -> None:
-        """Order later work of this stream after ``event`` (and complete its copies now)."""
+        """Order later work of this stream after ``event``. A compute stream is the host: the
+        event's copies complete now. A side stream only queues the wait: its later copies run
+        after the event's (Note: [The current stream in the model])."""
         with self.model.lock:
-            self.model.run_until(event.stream, event.position)
+            if self.is_compute:
+                self.model.run_until(event.stream, event.position)
+            elif event.stream is not self and event.stream.done < event.position:
+                self.queue.append(_Wait(event.stream, event.position))
+                self.issued += 1
             self.merge(event.clock)
             if self.is_compute:
                 self.act()
@@ -321,13 +362,19 @@ class _ModelStreams(_device.DeviceStreams):
         self.pin_memory = False  # CPU builds cannot pin; the model does not need it
 
     def compute_stream(self) -> ModelStream:
+        # The stream current in this thread: inside a copy, its side stream (as under a
+        # device's ``with stream:``); see Note: [The current stream in the model].
         return self.model.current_stream(self.fake.index)
 
-    def d2h_stream(self) -> ModelStream:
-        return self.fake.d2h if self.use_streams else self.compute_stream()
+    def d2h_stream(self, compute: ModelStream | None = None) -> ModelStream:
+        if self.use_streams:
+            return self.fake.d2h
+        return compute if compute is not None else self.compute_stream()
 
-    def h2d_stream(self) -> ModelStream:
-        return self.fake.h2d if self.use_streams else self.compute_stream()
+    def h2d_stream(self, compute: ModelStream | None = None) -> ModelStream:
+        if self.use_streams:
+            return self.fake.h2d
+        return compute if compute is not None else self.compute_stream()
 
     def record_event(self, stream: ModelStream | None) -> ModelEvent:
         self.model.maybe_progress()
@@ -340,17 +387,32 @@ class _ModelStreams(_device.DeviceStreams):
         stream.wait_event(event)
 
     def use(self, stream):
-        return contextlib.nullcontext()
+        if stream is None:
+            return contextlib.nullcontext()
+        return self.model.current(stream)
 
-    def copy(self, stream, dst, src, pinned: bool = False) -> None:
+    @staticmethod
+    def is_capturing(stream) -> bool:
+        return False
+
+    def copy(self, stream, dst, src, pinned: bool = False, compute=None) -> None:
         if isinstance(dst, torch.UntypedStorage):  # two storages: every byte
             dst, src = _byte_view(dst), _byte_view(src)
-        self.model.enqueue(stream or self.compute_stream(), dst, src)
+        compute = compute or self.model.thread_compute(self.fake.index)
+        stream = stream or compute
+        with self.model.current(stream):  # as ``with stream:`` on a device
+            self.model.enqueue(stream, dst, src, compute=compute)
+            self.model.run_copy_hooks()
 
-    def free_storage(self, storage: torch.UntypedStorage) -> None:
-        self.model.freed(storage, self.compute_stream())
+    def free_storage(self, storage: torch.UntypedStorage, compute=None) -> None:
+        self.model.freed(storage, compute or self.compute_stream())
         poison_(_byte_view(storage))
         storage.resize_(0)
+
+    def allocate_storage(self, storage: torch.UntypedStorage, nbytes: int, stream) -> None:
+        with self.use(stream):
+            storage.resize_(nbytes)
+            self.model.allocated(storage, self.compute_stream())
 
 
 class StreamModel:
@@ -376,6 +438,7 @@ class StreamModel:
         self._devices: list[_FakeDevice] = [_FakeDevice(self, 0)]
         self._others: list[ModelStream] = []
         self._local = threading.local()
+        self._copy_hooks: list[Callable[[], object]] = []
         self.hazards: list[str] = []
         self.races: list[str] = []
         self.copies_queued = 0
@@ -431,10 +494,52 @@ class StreamModel:
         return getattr(self._local, "device", 0)
 
     def current_stream(self, device: int) -> ModelStream:
-        """The compute stream of fake device ``device`` in this thread."""
+        """The stream current on fake device ``device`` in this thread: a side stream while one
+        of its copies is issued (Note: [The current stream in the model]), else the compute
+        stream."""
+        side = getattr(self._local, "side", None)
+        stream = side.get(device) if side else None
+        return stream if stream is not None else self.thread_compute(device)
+
+    def thread_compute(self, device: int) -> ModelStream:
+        """The compute stream of fake device ``device`` in this thread (the default one, or the
+        one :meth:`use_stream` made current)."""
         current = getattr(self._local, "streams", None)
         stream = current.get(device) if current else None
         return stream if stream is not None else self._fake(device).compute
+
+    @contextlib.contextmanager
+    def current(self, stream: ModelStream) -> Iterator[ModelStream]:
+        """Make ``stream``, compute or side, current on its device in this thread (what a
+        device's ``with stream:`` does)."""
+        if stream.is_compute:
+            with self.use_stream(stream), self._side(stream.device, None):
+                yield stream
+        else:
+            with self._side(stream.device, stream):
+                yield stream
+
+    @contextlib.contextmanager
+    def _side(self, device: int, stream: ModelStream | None) -> Iterator[None]:
+        if not hasattr(self._local, "side"):
+            self._local.side = {}
+        previous = self._local.side.get(device)
+        self._local.side[device] = stream
+        try:
+            yield
+        finally:
+            self._local.side[device] = previous
+
+    def during_next_copy(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` once, inside the next copy issued through the model, while the copy's
+        stream is current: where a device's cyclic garbage collection can run finalizers (Note:
+        [The current stream in the model])."""
+        self._copy_hooks.append(fn)
+
+    def run_copy_hooks(self) -> None:
+        hooks, self._copy_hooks = self._copy_hooks, []
+        for fn in hooks:
+            fn()
 
     @contextlib.contextmanager
     def use_stream(self, stream: ModelStream) -> Iterator[ModelStream]:
@@ -477,27 +582,43 @@ class StreamModel:
 
     # --- queueing and running ---------------------------------------------------------------
 
-    def enqueue(self, stream: ModelStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)`` on ``stream`` (run it at once on a compute stream)."""
+    def enqueue(self, stream: ModelStream, dst: torch.Tensor, src: torch.Tensor,
+                compute: ModelStream | None = None) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (run it at once on a compute stream), issued by
+        a thread computing on ``compute`` (default: its current compute stream)."""
         with self.lock:
             self._copies += 1
             what = (f"copy #{self._copies} on the {stream.name} stream ({tuple(src.shape)} "
                     f"{src.dtype} -> {tuple(dst.shape)} {dst.dtype})")
             c = _Copy(_Side.of(dst), _Side.of(src), what)
-            self._check_copy(stream, c)
+            self._check_copy(stream, c, compute or self.thread_compute(stream.device))
             if stream.is_compute:
                 self._run(c, stream)
                 return
-            poison_(dst)
+            self._poison_when_unread(dst, c.dst)
             stream.queue.append(c)
             stream.issued += 1
             self.copies_queued += 1
         self.maybe_progress()
 
+    def _poison_when_unread(self, dst: torch.Tensor, side: _Side) -> None:
+        """Poison a queued copy's destination now, or, where a copy queued earlier on another
+        stream still reads it (a host buffer the copy's stream waits to reuse), once that copy
+        has run."""
+        last = self._last_copy_touching(dst)
+        if last is None:
+            poison_(dst)
+        else:
+            last.then.append(lambda: _poison_side(side))
+
     def run_until(self, stream: ModelStream, position: int) -> None:
         """Run ``stream``'s queued copies until ``position`` of them have completed."""
         while stream.done < position and stream.queue:
-            self._run(stream.queue.popleft(), stream)
+            item = stream.queue.popleft()
+            if isinstance(item, _Wait):
+                self.run_until(item.stream, item.position)
+            else:
+                self._run(item, stream)
             stream.done += 1
 
     def synchronize(self) -> None:
@@ -535,7 +656,7 @@ class StreamModel:
 
     def side_event_recorded(self, stream: ModelStream) -> None:
         """A side stream's copies are done being issued: compute work may follow."""
-        self.current_stream(stream.device).act()
+        self.thread_compute(stream.device).act()
 
     def freed(self, storage: torch.UntypedStorage, by: ModelStream) -> None:
         """``storage`` is freed in place now, on the compute stream ``by``."""
@@ -547,8 +668,7 @@ class StreamModel:
     def _race(self, first: str, second: str, why: str) -> None:
         self.races.append(f"{second} is not ordered after {first}: {why}")
 
-    def _check_copy(self, stream: ModelStream, c: _Copy) -> None:
-        compute = self.current_stream(stream.device)
+    def _check_copy(self, stream: ModelStream, c: _Copy, compute: ModelStream) -> None:
         last = compute.last_action()
         if not stream.is_compute and not stream.has_seen(compute, last):
             self._race(f"the work this thread queued on the {compute.name} stream before it "
@@ -567,10 +687,7 @@ class StreamModel:
         log = self._accesses.get(key)
         if log is None:
             log = self._accesses[key] = {}
-            self._owner[key] = compute
-            storage = side.storage()
-            if storage is not None and key not in self._host_keys:
-                self._finalizers[key] = weakref.finalize(storage, self._died, key)
+            self._watch(key, side.storage(), compute)
         for prior in log.values():
             if prior.stream is not access.stream and (prior.write or access.write) \
                     and not access.stream.has_seen(prior.stream, prior.clock):
@@ -578,6 +695,20 @@ class StreamModel:
                            f"the {access.stream.name} stream never waited on an event of the "
                            f"{prior.stream.name} stream recorded after it")
         log[(access.stream.index, access.write)] = access
+
+    def _watch(self, key: int, storage: torch.UntypedStorage | None, owner: ModelStream) -> None:
+        """Start watching a storage: its allocating stream (unless its allocation was seen) and
+        a finalizer that judges its death."""
+        self._owner.setdefault(key, owner)
+        if storage is not None and key not in self._host_keys and key not in self._finalizers:
+            self._finalizers[key] = weakref.finalize(storage, self._died, key)
+
+    def allocated(self, storage: torch.UntypedStorage, stream: ModelStream) -> None:
+        """``storage`` got its bytes (again) on ``stream``: its allocating stream from now on."""
+        with self.lock:
+            key = storage._cdata
+            self._owner[key] = stream
+            self._watch(key, storage, stream)
 
     def _check_release(self, key: int, owner: ModelStream, how: str) -> None:
         for prior in self._accesses.pop(key, {}).values():
@@ -641,6 +772,8 @@ class StreamModel:
         key = buf.untyped_storage()._cdata
         for s in self._side_streams():
             for c in reversed(s.queue):
+                if isinstance(c, _Wait):
+                    continue
                 if key in (c.dst.key, c.src.key):
                     return c
         return None
@@ -718,3 +851,103 @@ def stream_model(seed: int = 0, early_probability: float = 0.25,
     if ok and check and model.races:
         raise StreamRaceError(f"swap_pass.stream_model: {len(model.races)} race(s) found:\n- "
                               + "\n- ".join(dict.fromkeys(model.races)))
+
+
+# --- failure injection ----------------------------------------------------------------------
+
+
+class InjectedFailure(RuntimeError):
+    """The error :func:`inject_failures` raises in place of a runtime operation."""
+
+
+# What each kind of failure replaces: (class, method) pairs; the stream model's device layer
+# overrides the device methods, so both are patched.
+_INJECTION_POINTS: dict[str, tuple[tuple[type, str], ...]] = {
+    "free": ((_device.DeviceStreams, "free_storage"), (_ModelStreams, "free_storage")),
+    "copy": ((_device.DeviceStreams, "copy"), (_ModelStreams, "copy")),
+    "allocate": ((_device.DeviceStreams, "allocate_storage"), (_ModelStreams, "allocate_storage")),
+    "host_alloc": ((type(host_pool()), "take"),),
+}
+
+
+@dataclasses.dataclass
+class FailureInjector:
+    """What :func:`inject_failures` saw: calls per kind, and the failures it raised.
+
+    Attributes:
+        calls: Per kind (``"free"``, ``"copy"``, ``"allocate"``, ``"host_alloc"``), how many
+            times the runtime called it while the injector was active.
+        fired: The kinds whose failure was raised.
+    """
+
+    fail_at: dict[str, int]
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    fired: list[str] = dataclasses.field(default_factory=list)
+
+    def before(self, kind: str) -> None:
+        """Count a call of ``kind``; raise on the one asked to fail."""
+        n = self.calls[kind] = self.calls.get(kind, 0) + 1
+        if self.fail_at.get(kind) == n:
+            self.fired.append(kind)
+            raise InjectedFailure(f"swap_pass.testing.inject_failures: {kind} call #{n} failed "
+                                  "(injected).")
+
+
+def _wrap(injector: FailureInjector, kind: str, original):
+    """``original`` (a function, or a staticmethod) with ``injector`` asked before each call."""
+    is_static = isinstance(original, staticmethod)
+    fn = original.__func__ if is_static else original
+
+    def wrapper(*args, **kwargs):
+        injector.before(kind)
+        return fn(*args, **kwargs)
+
+    return staticmethod(wrapper) if is_static else wrapper
+
+
+@contextlib.contextmanager
+def inject_failures(*, free: int | None = None, copy: int | None = None,
+                    allocate: int | None = None,
+                    host_alloc: int | None = None) -> Iterator[FailureInjector]:
+    """Make the runtime's Nth storage free, copy, storage re-allocation or host buffer request
+    raise :class:`InjectedFailure`, to test that a failure part-way leaves every tensor its data.
+
+    Counts start at 1 when the block is entered and cover every device (and the stream model's,
+    when it is active). A kind left ``None`` never fails; its calls are still counted.
+
+    Args:
+        free: Fail the Nth ``resize_(0)`` of a swapped storage (a device that cannot resize it).
+            Default: ``None``.
+        copy: Fail the Nth copy between device and host. Default: ``None``.
+        allocate: Fail the Nth re-allocation of a freed storage for its copy back (device memory
+            exhausted). Default: ``None``.
+        host_alloc: Fail the Nth request for a host buffer (pinned memory exhausted).
+            Default: ``None``.
+
+    Yields:
+        The :class:`FailureInjector`, with its counts.
+
+    Example::
+
+        with inject_failures(free=2) as injected:
+            group.wait_d2h()            # raises InjectedFailure; group back in "device"
+        assert injected.fired == ["free"]
+    """
+    fail_at = {k: v for k, v in (("free", free), ("copy", copy), ("allocate", allocate),
+                                 ("host_alloc", host_alloc)) if v is not None}
+    for kind, n in fail_at.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"swap_pass.testing.inject_failures: {kind}={n!r} is invalid. It "
+                             "must be a call number, 1 or more.")
+    injector = FailureInjector(fail_at)
+    saved = []
+    for kind, points in _INJECTION_POINTS.items():
+        for cls, name in points:
+            original = cls.__dict__[name]
+            saved.append((cls, name, original))
+            setattr(cls, name, _wrap(injector, kind, original))
+    try:
+        yield injector
+    finally:
+        for cls, name, original in reversed(saved):
+            setattr(cls, name, original)

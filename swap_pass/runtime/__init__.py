@@ -19,7 +19,10 @@ from swap_pass.runtime.swap_tensors import (
     SwapTensors,
     discard_groups_off_device,
     is_valid_for_swap,
+    kept_groups,
     rearm_warnings,
+    retry_kept_groups,
+    unrestored_error,
 )
 
 __all__ = [
@@ -65,14 +68,24 @@ def reset() -> None:
     Safe at any point, also between a forward and its backward: every storage still off the
     device is restored first (a later backward then runs without swapping it), and layers whose
     swap is still enabled register again at their next call.
+
+    Raises:
+        SwapDataError: a group could not be restored (device memory exhausted): everything else
+            was reset, and that group's data stays in host memory, its tensors guarded, until a
+            later ``reset()`` or its backward brings it back. Nothing is dropped.
     """
+    earlier = kept_groups()  # kept by an earlier reset: tried once more here
     for fn in list(_reset_hooks):
         fn()
     SwapLayerInputManager.reset_all()
     discard_groups_off_device(restore=True)
+    retry_kept_groups(earlier)
+    failed = kept_groups()
     _live_groups.clear()
     host_pool().clear()
     rearm_warnings()
     _ownership.rearm_warnings()
     _skips.rearm_warnings()
     _stats.clear()
+    if failed:
+        raise unrestored_error(failed, "reset")

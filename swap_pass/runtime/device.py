@@ -97,23 +97,29 @@ class DeviceStreams:
         self._h2d: torch.Stream | None = None
 
     def compute_stream(self) -> torch.Stream | None:
-        """The stream the caller is computing on (the current stream), or None on CPU."""
+        """The stream the caller is computing on (the current stream), or None on CPU.
+
+        Read once, when a swap begins (see Note: [The compute stream of a swap] in
+        ``swap_tensors.py``): later, code may run inside the runtime's own ``with side_stream:``.
+        """
         if not self.is_async:
             return None
         return torch.accelerator.current_stream(self.device)
 
-    def d2h_stream(self) -> torch.Stream | None:
-        """Stream for device-to-host copies; the compute stream when side streams are off."""
+    def d2h_stream(self, compute: torch.Stream | None = None) -> torch.Stream | None:
+        """Stream for device-to-host copies; when side streams are off, the swap's
+        ``compute`` stream (default: the current stream)."""
         if not self.use_streams:
-            return self.compute_stream()
+            return compute if compute is not None else self.compute_stream()
         if self._d2h is None:
             self._d2h = torch.Stream(device=self.device)
         return self._d2h
 
-    def h2d_stream(self) -> torch.Stream | None:
-        """Stream for host-to-device copies; the compute stream when side streams are off."""
+    def h2d_stream(self, compute: torch.Stream | None = None) -> torch.Stream | None:
+        """Stream for host-to-device copies; when side streams are off, the swap's
+        ``compute`` stream (default: the current stream)."""
         if not self.use_streams:
-            return self.compute_stream()
+            return compute if compute is not None else self.compute_stream()
         if self._h2d is None:
             self._h2d = torch.Stream(device=self.device)
         return self._h2d
@@ -134,13 +140,27 @@ class DeviceStreams:
         stream.wait_event(event)
 
     def use(self, stream: torch.Stream | None):
-        """Context manager that makes ``stream`` current (nothing on CPU)."""
-        if stream is None:
+        """Context manager that makes ``stream`` current (nothing on CPU, nor when it already is:
+        entering a stream's context twice is an error on some torch releases)."""
+        if stream is None or torch.accelerator.current_stream(self.device) == stream:
             return contextlib.nullcontext()
         return stream  # torch.Stream is a context manager that makes itself current
 
+    @staticmethod
+    def is_capturing(stream: torch.Stream | None) -> bool:
+        """Whether ``stream`` is capturing a graph (CUDA graphs): nothing may be queued then that
+        touches host buffers or frees device memory. False on CPU and where a backend cannot
+        tell."""
+        if stream is None:
+            return False
+        try:
+            return bool(stream.is_capturing())
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return False
+
     def copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
-             src: torch.Tensor | torch.UntypedStorage, pinned: bool = False) -> None:
+             src: torch.Tensor | torch.UntypedStorage, pinned: bool = False,
+             compute: torch.Stream | None = None) -> None:
         """Copy ``src`` into ``dst`` on ``stream``; without blocking the host when the host side
         is ``pinned`` (page-locked) on an accelerator. A pageable host side copies with
         ``non_blocking=False``: an asynchronous copy from or to pageable memory is not
@@ -151,6 +171,8 @@ class DeviceStreams:
         (and the allocation of ``dst``) first, and records an event after it for the consumer to
         wait on. While ``torch.profiler`` records, the copy runs in a range named
         :func:`copy_range_name` (``swap-pass bench`` reads CPU copy bandwidth from it).
+        ``compute``: the swap's compute stream, which ``stream`` was ordered after (the stream
+        model checks that order; a device needs nothing of it).
         """
         in_range = _enter_copy_range(dst) if _profiler_flag._is_profiler_enabled else None
         try:
@@ -164,9 +186,18 @@ class DeviceStreams:
                 in_range.__exit__(None, None, None)
 
     @staticmethod
-    def free_storage(storage: torch.UntypedStorage) -> None:
-        """Free a swapped-out storage in place (its tensors keep their metadata)."""
+    def free_storage(storage: torch.UntypedStorage, compute: torch.Stream | None = None) -> None:
+        """Free a swapped-out storage in place (its tensors keep their metadata). The block goes
+        back to the pool of the stream it was allocated on, whatever stream is current;
+        ``compute`` is the swap's compute stream, which waited for the copy out."""
         storage.resize_(0)
+
+    def allocate_storage(self, storage: torch.UntypedStorage, nbytes: int,
+                         stream: torch.Stream | None) -> None:
+        """Give a freed storage its ``nbytes`` back, allocated on ``stream`` (the compute stream
+        of the swap: the stream of the storage's readers)."""
+        with self.use(stream):
+            storage.resize_(nbytes)
 
 
 class _CppProfilerState:

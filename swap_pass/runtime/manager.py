@@ -29,7 +29,14 @@ from swap_pass.config import SwapConfig, check_config
 from swap_pass.runtime.host_pool import preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
 from swap_pass.runtime.subclasses import claim_not_plain
-from swap_pass.runtime.swap_tensors import D2H, DEVICE, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.swap_tensors import (
+    D2H,
+    DEVICE,
+    HOST,
+    SwapTensors,
+    is_valid_for_swap,
+    restore_or_keep,
+)
 
 __all__ = ["SwapLayerInputManager"]
 
@@ -350,8 +357,8 @@ class SwapLayerInputManager:
         Its tensors may still be read (a backward that runs later, the caller's own reference):
         their data is restored, never dropped.
         """
-        while self.batch_stack:
-            self.batch_stack.pop(0).restore()
+        while self.batch_stack:  # a group that cannot be restored now is kept, never dropped
+            restore_or_keep(self.batch_stack.pop(0))
 
     def discard(self, group: SwapTensors) -> None:
         """Discard one group whose tensors will never be read again (its graph was freed)."""

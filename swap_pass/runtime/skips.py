@@ -37,6 +37,8 @@ class SkipReason(str, enum.Enum):
         CUSTOM_CHECK: The user's ``custom_check_fn`` said no.
         DYNAMIC_SHAPE: A compiled graph's candidate whose size is not known when planning.
         NO_LAYERS: A model or graph in which no layer boundary was found.
+        STREAM_CAPTURE: The compute stream was capturing a graph (CUDA graphs): a copy or free
+            would be captured and replayed later.
     """
 
     USER_DATA = "user_data"
@@ -49,6 +51,7 @@ class SkipReason(str, enum.Enum):
     CUSTOM_CHECK = "custom_check"
     DYNAMIC_SHAPE = "dynamic_shape"
     NO_LAYERS = "no_layers"
+    STREAM_CAPTURE = "stream_capture"
 
 
 # Reasons that are the user's own choice or the rule working as intended warn nowhere: their

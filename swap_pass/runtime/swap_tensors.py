@@ -47,7 +47,16 @@ from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
 from swap_pass.runtime.skips import SkipReason, record_skip
 
-__all__ = ["SwapState", "SwapTensors", "discard_groups_off_device", "is_valid_for_swap", "no_group"]
+__all__ = [
+    "SwapState",
+    "SwapTensors",
+    "discard_groups_off_device",
+    "is_valid_for_swap",
+    "kept_groups",
+    "no_group",
+    "restore_or_keep",
+    "retry_kept_groups",
+]
 
 _DEFAULT_CONFIG = SwapConfig()
 _POOL = host_pool()  # process-wide, never replaced: read once instead of a call per transition
@@ -135,6 +144,27 @@ def is_valid_for_swap(tensor: object,
 # steps and 13.3 us against 11.1. With 64 layers (800 steps) the eager swap still brings a full
 # collection every 80 steps against 200, at 28.5 us against 12.3: the group, its entry and its
 # guard still live through the forward.
+
+
+# Note: [The compute stream of a swap]
+# A group's storages are produced on one stream, their blocks belong to the pool of the stream
+# that allocated them, and their readers run there: that is the group's compute stream. It is
+# read once, when the swap begins (or given by the caller who knows the producer), and every
+# later step orders on it: the compute stream's wait for the copy out before a free, the
+# re-allocation for the copy back, the wait for the copy back before the first reader. Never
+# the stream current at that later moment: a finalizer (a group or a graph dropped by the cyclic
+# collector) can run inside the runtime's own ``with side_stream:`` during a copy, and a caller
+# may be inside a stream context of its own. A wait on the wrong stream lets the allocator hand
+# a freed block to the next allocation while the copy still reads it, or a reader see the
+# destination of a copy back before it is written.
+
+
+# Note: [All-or-nothing transitions]
+# A transition touches every storage of a group, and any one of them can fail: a host buffer
+# that cannot be pinned, a copy that raises, a storage the device cannot resize. Each transition
+# undoes what it did before the failure, and leaves the group in the state it started from with
+# every tensor's data in place (or, from "host", still on the host and guarded), then lets the
+# error propagate. A freed storage is never left without its host copy.
 
 
 @dataclasses.dataclass(slots=True)
@@ -271,12 +301,15 @@ class SwapTensors:
             the layer's entry) and ``config`` is validated (the manager's); only storages freed
             since are left out. A list passed this way is handed over: the group keeps it as
             its :attr:`tensors`. Default: ``False``.
+        compute_stream: The stream the tensors were produced on and are read on: every wait
+            and re-allocation of the swap is ordered on it. Default: ``None`` (the stream
+            current when the swap begins; see Note: [The compute stream of a swap]).
 
     Attributes:
         stat: ``"device"``, ``"d2h"``, ``"host"`` or ``"h2d"``.
         tensors: The tensors the group swaps.
-        kept_on_device: True when host memory ran out under ``on_host_exhausted="keep_on_device"``
-            and the group's data never left the device.
+        kept_on_device: True when the group's data never left the device: host memory ran out
+            under ``on_host_exhausted="keep_on_device"``, or a stream was capturing a graph.
         guarded: Set by the layer protocol that drives the group (``swap_pass/eager``): a
             backward guard protects it, so it may be freed. Default: ``False``.
         previous_link: Set by the same protocol: a weak reference to the previous layer's group
@@ -290,7 +323,7 @@ class SwapTensors:
     # is made only for attributes a caller adds).
     __slots__ = ("config", "tensors", "name", "device", "stat", "kept_on_device", "guarded",
                  "previous_link", "entry_mark", "_entries", "_nbytes", "_host_nbytes",
-                 "_entry_tensors", "_keys", "_ds", "_pinned", "_event", "_out_waited",
+                 "_entry_tensors", "_keys", "_ds", "_pinned", "_compute", "_event", "_out_waited",
                  "__dict__", "__weakref__")
 
     def __init__(
@@ -302,6 +335,7 @@ class SwapTensors:
         name: str | None = None,
         copy_span: bool = False,
         checked: bool = False,
+        compute_stream: torch.Stream | None = None,
     ) -> None:
         if checked:  # handed over: see Note: [Few objects per group]
             self.config = config or _DEFAULT_CONFIG
@@ -331,6 +365,7 @@ class SwapTensors:
             self.device = next(iter(devices), None)
         self._ds: DeviceStreams | None = None  # looked up once: every transition needs it
         self._pinned: bool | None = None
+        self._compute = compute_stream  # None: the current stream when the swap begins
         self.stat = DEVICE
         self.kept_on_device = False
         self.guarded = False
@@ -375,7 +410,13 @@ class SwapTensors:
     # --- the four transitions -----------------------------------------------------------------
 
     def swap_to_host(self, stream: torch.Stream | None = None) -> None:
-        """Start copying the group's storages to host buffers (state "device" -> "d2h")."""
+        """Start copying the group's storages to host buffers (state "device" -> "d2h").
+
+        All or nothing: when a host buffer or a copy fails, the group is back in "device", its
+        buffers given back, and the error propagates. While the compute stream is capturing a
+        graph (CUDA graphs), nothing is copied: the data stays on the device, counted as
+        ``swap_stats().skipped_bytes["stream_capture"]``.
+        """
         if self.stat is not DEVICE:  # checked inline: every transition passes here
             self._expect(DEVICE, "SwapTensors.swap_to_host")
         entries = self._entries
@@ -384,17 +425,52 @@ class SwapTensors:
             live_groups.claim(self, e.key)
         if entries:
             ds = self._ds or self._streams()
-            if not self._acquire_host_buffers():
-                self.kept_on_device = True
+            if ds.is_async and ds.is_capturing(self._compute):
+                self._keep_while_capturing()
             else:
-                if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
-                    stream = ds.d2h_stream()
-                self._event = _queue_copies(ds, stream, entries, to_host=True, pinned=self._pinned)
-                stats.record_swap_out(self._host_nbytes)
+                self._start_copy_out(ds, stream)
         self.stat = D2H
 
+    def _start_copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
+        """Take the host buffers and queue the copies out; undo both on any failure."""
+        if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
+            stream = ds.d2h_stream(self._compute)
+        try:
+            if not self._acquire_host_buffers():
+                self.kept_on_device = True
+                return
+            self._event = _queue_copies(ds, stream, self._entries, to_host=True,
+                                        pinned=self._pinned, compute=self._compute)
+        except BaseException:
+            self._undo_copy_out(ds, stream)
+            raise
+        stats.record_swap_out(self._host_nbytes)
+
+    def _undo_copy_out(self, ds: DeviceStreams, stream: torch.Stream | None) -> None:
+        """A failed :meth:`swap_to_host`: the copies queued so far may still read the device
+        storages and write the buffers, so the compute stream (the storages' allocating stream)
+        and the buffers' next taker wait for them; the group is in "device" again."""
+        event = _record_after(ds, stream)
+        self._wait_on_compute(event)
+        self._release_host_buffers(event)
+        self._event = None
+        self._leave_registry()
+
+    def _keep_while_capturing(self) -> None:
+        """The compute stream is capturing a graph: copies and frees would be captured and
+        replayed later into host buffers the pool has handed out again. Keep the data."""
+        self.kept_on_device = True
+        record_skip(SkipReason.STREAM_CAPTURE, self._nbytes, where=self.name,
+                    detail="Swaps never run while a stream captures a CUDA graph; swap outside "
+                           "the captured region, or capture without swap_pass.")
+
     def wait_d2h(self) -> None:
-        """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host")."""
+        """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host").
+
+        All or nothing: when freeing one storage fails (a device that cannot resize it), the
+        storages freed before it get their bytes back from the host copy, the group is in
+        "device" again with every tensor's data, and the error propagates.
+        """
         if self.stat is not D2H:  # checked inline: every transition passes here
             self._expect(D2H, "SwapTensors.wait_d2h")
         entries = self._entries
@@ -405,15 +481,41 @@ class SwapTensors:
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
             if not self._out_waited:
-                _wait_on_compute(ds, self._event)
+                self._wait_on_compute(self._event)
             self._out_waited = False  # _event kept: the host buffers' last copy (discard)
-            for e in entries:
-                if e.dense:  # see Note: [Dense copies]
-                    e.alias = e.tensors[0].data
-                ds.free_storage(e.storage)
+            self._free_all(ds, entries)
             guard_freed(self._entry_tensors, self)
             stats.record_released(self._nbytes)
         self.stat = HOST
+
+    def _free_all(self, ds: DeviceStreams, entries: list[_StorageEntry]) -> None:
+        """Free every entry's storage, or none: on a failure, the ones freed are restored."""
+        freed: list[_StorageEntry] = []
+        try:
+            for e in entries:
+                if e.dense:  # see Note: [Dense copies]
+                    e.alias = e.tensors[0].data
+                ds.free_storage(e.storage, self._compute)
+                freed.append(e)
+        except BaseException as err:
+            self._roll_back_frees(ds, freed)
+            _add_note(err, f"swap_pass.SwapTensors.wait_d2h: freeing a storage of "
+                           f"{self.name or 'a swap group'} failed; every tensor of the group "
+                           "keeps its data on the device.")
+            raise
+
+    def _roll_back_frees(self, ds: DeviceStreams, freed: list[_StorageEntry]) -> None:
+        """Give ``freed`` their bytes back from the host copies, on the compute stream (which
+        waited for the copies out), and end in "device" with the buffers given back."""
+        compute = self._compute
+        for e in freed:
+            ds.allocate_storage(e.storage, e.nbytes, compute)
+        event = _queue_copies(ds, compute, freed, to_host=False, pinned=self._pinned,
+                              compute=compute) if freed else self._event
+        self._release_host_buffers(event)
+        self._event, self._out_waited = None, False
+        self._leave_registry()
+        self.stat = DEVICE
 
     def wait_copy_out(self) -> None:
         """Make the compute stream wait for the device-to-host copy; the state stays "d2h".
@@ -425,23 +527,46 @@ class SwapTensors:
         if self.stat is not D2H:
             self._expect(D2H, "SwapTensors.wait_copy_out")
         if not self._out_waited and self._event is not None:
-            _wait_on_compute(self._ds or self._streams(), self._event)
+            self._wait_on_compute(self._event)
             self._out_waited = True
 
     def swap_to_device(self, stream: torch.Stream | None = None) -> None:
-        """Re-allocate the device storages and start copying the data back ("host" -> "h2d")."""
+        """Re-allocate the device storages and start copying the data back ("host" -> "h2d").
+
+        All or nothing: when an allocation or a copy fails, the group stays in "host" with its
+        host copies (its tensors guarded) and the error propagates; a later restore tries again.
+        """
         if self.stat is not HOST:  # checked inline: every transition passes here
             self._expect(HOST, "SwapTensors.swap_to_device")
         entries = self._entries
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
-            for e in entries:  # allocated on the compute stream, the stream of its readers
-                e.storage.resize_(e.nbytes)
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
-                stream = ds.h2d_stream()
-            self._event = _queue_copies(ds, stream, entries, to_host=False, pinned=self._pinned)
+                stream = ds.h2d_stream(self._compute)
+            allocated: list[_StorageEntry] = []
+            try:
+                for e in entries:  # on the compute stream of the swap, the stream of its readers
+                    ds.allocate_storage(e.storage, e.nbytes, self._compute)
+                    allocated.append(e)
+                self._event = _queue_copies(ds, stream, entries, to_host=False,
+                                            pinned=self._pinned, compute=self._compute)
+            except BaseException:
+                self._undo_copy_in(ds, stream, allocated)
+                raise
             stats.record_swap_in(self._host_nbytes, self._nbytes)
         self.stat = H2D
+
+    def _undo_copy_in(self, ds: DeviceStreams, stream: torch.Stream | None,
+                      allocated: list[_StorageEntry]) -> None:
+        """A failed :meth:`swap_to_device`: once the copies queued so far are done, free again
+        what was allocated (best effort: a storage that stays allocated is refilled by the next
+        restore). The host copies stay; the group stays in "host"."""
+        self._wait_on_compute(_record_after(ds, stream))
+        for e in allocated:
+            try:
+                ds.free_storage(e.storage, self._compute)
+            except Exception:  # noqa: BLE001 - the data is safe on the host either way
+                pass
 
     def wait_h2d(self) -> None:
         """Make the compute stream wait for the data, then release the host buffers
@@ -451,12 +576,14 @@ class SwapTensors:
         entries = self._entries
         if not self.kept_on_device and entries:
             event, self._event = self._event, None
-            _wait_on_compute(self._ds or self._streams(), event)
+            self._wait_on_compute(event)
             unguard(self._entry_tensors)
             self._release_host_buffers(event)  # another device's copy stream waits on it
         self._leave_registry()  # see Note: [One storage, one live group]
         self.kept_on_device = False
         self.stat = DEVICE
+        if _kept_on_host:  # a kept group restored by its reader: see restore_or_keep
+            _forget_kept(self)
 
     # --- completing or abandoning a group -----------------------------------------------------
 
@@ -480,7 +607,7 @@ class SwapTensors:
             self._abandon_d2h()
         elif self.stat in (HOST, H2D):
             if self.stat == H2D:
-                _wait_on_compute(self._streams(), self._event)
+                self._wait_on_compute(self._event)
                 unguard(self._entry_tensors)
             elif not self.kept_on_device:
                 stats.record_released(-self.nbytes)
@@ -508,7 +635,7 @@ class SwapTensors:
                 # A copy in flight still reads or writes device memory this group may be the
                 # last to hold: its allocating stream must not reuse it before the copy ends.
                 # Ordered by a stream wait, not a host synchronize (which some backends lack).
-                _wait_on_compute(self._ds, self._event)
+                self._wait_on_compute(self._event)
             if self.stat in (HOST, H2D) and not self.kept_on_device:  # nobody restores them now
                 give_up(self._entry_tensors, self)
             freed = self.stat == HOST and not self.kept_on_device
@@ -541,11 +668,25 @@ class SwapTensors:
 
     def _streams(self) -> DeviceStreams:
         """The device's streams, looked up once; whether our host buffers are pinned with them
-        (asked once: it is the pool's bucket key too)."""
+        (asked once: it is the pool's bucket key too); the swap's compute stream, fixed here
+        unless given (see Note: [The compute stream of a swap])."""
         if self._ds is None:
             ds = self._ds = device_streams(self.device, self.config.use_streams)
             self._pinned = self.config.pin_memory and ds.pin_memory
+            if self._compute is None:
+                self._compute = ds.compute_stream()
         return self._ds
+
+    def _wait_on_compute(self, event: object) -> None:
+        """Make the swap's compute stream wait for ``event`` (None: a synchronous copy, done)."""
+        if event is not None:
+            (self._ds or self._streams()).wait(self._compute, event)
+
+    @property
+    def compute_stream(self) -> torch.Stream | None:
+        """The stream the group's data is produced, freed, re-allocated and read on (None on
+        CPU): fixed when the swap begins."""
+        return self._compute
 
     def _acquire_host_buffers(self) -> bool:
         """Give every entry a host buffer (after :meth:`_streams`); False when host memory ran
@@ -594,7 +735,7 @@ class SwapTensors:
         # The copy may still read the device storages, which stay with their tensors and may be
         # freed or die any time now: the compute stream (their allocating stream) waits for it.
         # It may still write the buffers: whoever takes them next waits on its event.
-        _wait_on_compute(self._ds or self._streams(), self._event)
+        self._wait_on_compute(self._event)
         self._release_host_buffers(self._event)
         self._event, self._out_waited = None, False
         self._leave_registry()
@@ -612,7 +753,8 @@ def _modified_error(name: str | None, t: torch.Tensor, version: int, when: str) 
 
 
 def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[_StorageEntry],
-                  to_host: bool, pinned: bool | None = False) -> object:
+                  to_host: bool, pinned: bool | None = False,
+                  compute: torch.Stream | None = None) -> object:
     """Queue each entry's copy to (``to_host``) or from its host buffer on ``stream``, ordered
     after the compute stream's work so far (and, to the host, after a reused buffer's last copy);
     return the event recorded after them.
@@ -623,7 +765,7 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
     page-locked (only then is a copy issued without blocking the host).
     """
     if stream is not None:
-        ds.wait(stream, ds.record_event(ds.compute_stream()))
+        ds.wait(stream, ds.record_event(compute if compute is not None else ds.compute_stream()))
     for e in entries:
         if to_host and e.host_event is not None:
             ds.wait(stream, e.host_event)
@@ -637,16 +779,23 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
             lo, hi = e.span
             device = _bytes_view(e.storage, lo, hi - lo)
         if to_host:
-            ds.copy(stream, host, device, pinned=bool(pinned))
+            ds.copy(stream, host, device, pinned=bool(pinned), compute=compute)
         else:
-            ds.copy(stream, device, host, pinned=bool(pinned))
+            ds.copy(stream, device, host, pinned=bool(pinned), compute=compute)
     return None if stream is None else ds.record_event(stream)
 
 
-def _wait_on_compute(ds: DeviceStreams, event: object) -> None:
-    """Make the compute stream wait for ``event`` (None: a synchronous copy, already done)."""
-    if event is not None:
-        ds.wait(ds.compute_stream(), event)
+def _record_after(ds: DeviceStreams, stream: torch.Stream | None) -> object:
+    """An event after the work queued on ``stream`` so far (None where copies are synchronous),
+    for undoing a transition that failed part-way."""
+    return None if stream is None else ds.record_event(stream)
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    """Say what the runtime did about ``err`` beside it, in its traceback."""
+    add = getattr(err, "add_note", None)
+    if add is not None:
+        add(note)
 
 
 def discard_groups_off_device(*, restore: bool = False) -> int:
@@ -666,8 +815,58 @@ def discard_groups_off_device(*, restore: bool = False) -> int:
     """
     groups = [g for g in live_groups.groups() if any(e.host is not None for e in g._entries)]
     for group in groups:
-        group.restore() if restore else group.discard()
+        restore_or_keep(group) if restore else group.discard()
     return len(groups)
+
+
+# Groups whose restore failed (a device out of memory, say), with the error: their data is on
+# the host only, so they are held here, their tensors guarded, until a restore succeeds (see
+# restore_or_keep).
+_kept_on_host: list[tuple[SwapTensors, BaseException]] = []
+
+
+def restore_or_keep(group: SwapTensors) -> BaseException | None:
+    """Restore ``group``; when that fails, keep it, its data on the host and its tensors guarded,
+    until a later :func:`retry_kept_groups` (each :func:`swap_pass.reset`) or a reader restores
+    it. Returns the error, or None. A group is never dropped with its storages freed."""
+    try:
+        group.restore()
+    except Exception as err:  # noqa: BLE001 - kept, reported by the caller
+        _forget_kept(group)
+        _kept_on_host.append((group, err))
+        return err
+    return None
+
+
+def kept_groups() -> list[tuple[SwapTensors, BaseException]]:
+    """The groups :func:`restore_or_keep` kept, each with its last error (a copy)."""
+    return list(_kept_on_host)
+
+
+def retry_kept_groups(groups: list[tuple[SwapTensors, BaseException]]) -> None:
+    """Try again to restore ``groups`` (from :func:`kept_groups`); those that fail stay kept."""
+    for group, _ in groups:
+        restore_or_keep(group)
+
+
+def unrestored_error(failed: list[tuple[SwapTensors, BaseException]], api: str) -> SwapDataError:
+    """The error for groups that could not be brought back to the device by ``api``."""
+    names = ", ".join(g.name or "a swap group" for g, _ in failed[:4])
+    return SwapDataError(
+        f"swap_pass.{api}: {len(failed)} swap group(s) could not be brought back to the device "
+        f"({names}; first error: {failed[0][1]!r}). Their data stays in host memory and their "
+        "tensors stay guarded; the next swap_pass.reset(), or their backward, tries again once "
+        "device memory is there."
+    )
+
+
+
+
+def _forget_kept(group: SwapTensors) -> None:
+    for i, (g, _) in enumerate(_kept_on_host):
+        if g is group:
+            del _kept_on_host[i]
+            return
 
 
 def rearm_warnings() -> None:
