@@ -20,6 +20,7 @@ import contextlib
 import functools
 import importlib
 import threading
+from collections.abc import Callable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -28,9 +29,11 @@ __all__ = [
     "COPY_RANGE",
     "DeviceStreams",
     "accelerator_type",
+    "cannot_free_reason",
     "copy_range_name",
     "device_streams",
     "is_async_device",
+    "register_free_check",
 ]
 
 _NPU_MODULE = "torch_npu"
@@ -62,6 +65,56 @@ def is_async_device(device: torch.device | str) -> bool:
     """True when ``device`` has streams and events, so copies can overlap compute."""
     dev = torch.device(device)
     return dev.type != "cpu" and dev.type != "meta" and torch.accelerator.is_available()
+
+
+# --- storages a device cannot free in place ----------------------------------------------------
+
+# Note: [Storages a device cannot free]
+# A swap frees a storage with ``resize_(0)`` and gives it its bytes back with ``resize_(n)``.
+# Some storages refuse: torch_npu resizes only storages in a base format (ND, NCHW, NHWC,
+# NCDHW) and raises "Try to resize a storage without base format" for private ones (NZ, 5HD),
+# which ops may produce where internal formats are allowed. Such a storage is found when its
+# group is made, by the check registered for its device type, and stays on the device, counted
+# as ``skipped_bytes["non_resizable"]``, instead of failing the free in the middle of a step.
+
+# Per device type: a check that returns why a tensor's storage cannot be freed in place, or None.
+_free_checks: dict[str, Callable[[torch.Tensor], str | None]] = {}
+
+# torch_npu's base formats (ACL format ids): the only ones its resize hook accepts.
+_NPU_BASE_FORMATS = frozenset({0, 1, 2, 30})  # NCHW, NHWC, ND, NCDHW
+
+
+def register_free_check(device_type: str,
+                        check: Callable[[torch.Tensor], str | None] | None) -> None:
+    """Register ``check(tensor) -> reason | None`` for storages of ``device_type``: a reason
+    keeps the storage on the device (see Note: [Storages a device cannot free]). ``None``
+    removes the check."""
+    if check is None:
+        _free_checks.pop(device_type, None)
+    else:
+        _free_checks[device_type] = check
+
+
+def cannot_free_reason(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s storage cannot be freed in place on its device, or None."""
+    check = _free_checks.get(tensor.device.type)
+    return None if check is None else check(tensor)
+
+
+def _npu_private_format(tensor: torch.Tensor) -> str | None:
+    """torch_npu: a storage in a private format (NZ, 5HD...) cannot be resized."""
+    get_format = getattr(importlib.import_module(_NPU_MODULE), "get_npu_format", None)
+    if get_format is None:  # an old torch_npu: its resize hook decides at the free
+        return None
+    fmt = int(get_format(tensor))
+    if fmt in _NPU_BASE_FORMATS:
+        return None
+    return (f"its NPU storage is in private format {fmt}, which torch_npu cannot resize; "
+            "keep internal formats off (torch.npu.config.allow_internal_format = False) to "
+            "have it swapped")
+
+
+register_free_check("npu", _npu_private_format)  # only NPU tensors reach it: torch_npu is in
 
 
 # --- streams and events -----------------------------------------------------------------------

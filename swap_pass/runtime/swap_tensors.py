@@ -40,7 +40,12 @@ import torch
 
 from swap_pass.config import OnHostExhausted, SwapConfig, check_config
 from swap_pass.runtime import live_groups, stats
-from swap_pass.runtime.device import DeviceStreams, device_streams
+from swap_pass.runtime.device import (
+    DeviceStreams,
+    _free_checks,
+    cannot_free_reason,
+    device_streams,
+)
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
 from swap_pass.runtime.freed_guard import give_up, guard_freed, unguard
 from swap_pass.runtime.host_pool import host_pool
@@ -255,15 +260,20 @@ def _keep_non_resizable(entries: list[_StorageEntry], name: str | None) -> list[
     """The entries whose storage can be freed in place; the others are counted and kept.
 
     A storage that cannot be resized (a CUDA-graph output of cudagraph trees, ``from_blob``,
-    ``torch.frombuffer``, ``torch.from_numpy``, DLPack, an external pool) cannot be freed with
-    ``resize_(0)``: it stays on the device (``swap_stats().skipped_bytes["non_resizable"]``).
+    ``torch.frombuffer``, ``torch.from_numpy``, DLPack, an external pool), or one its device
+    refuses to resize (see Note: [Storages a device cannot free] in ``device.py``), cannot be
+    freed with ``resize_(0)``: it stays on the device
+    (``swap_stats().skipped_bytes["non_resizable"]``).
     """
-    kept = [e for e in entries if not e.storage.resizable()]
-    for e in kept:
-        record_skip(SkipReason.NON_RESIZABLE, e.nbytes, where=name,
-                    detail="Its storage cannot be freed in place (CUDA-graph output, from_blob, "
-                           "DLPack); clone it to have it swapped.")
-    return [e for e in entries if e.storage.resizable()]
+    kept = []
+    for e in entries:
+        reason = ("Its storage cannot be freed in place (CUDA-graph output, from_blob, DLPack); "
+                  "clone it to have it swapped." if not e.storage.resizable()
+                  else cannot_free_reason(e.tensors[0]))
+        if reason is not None:
+            kept.append(e)
+            record_skip(SkipReason.NON_RESIZABLE, e.nbytes, where=name, detail=reason)
+    return [e for e in entries if all(e is not k for k in kept)]
 
 
 def _narrow_to_span(e: _StorageEntry) -> None:
@@ -349,7 +359,8 @@ class SwapTensors:
             self._entries = _one_entry(tensors, min_bytes, copy_span)
         else:
             self._entries = _group_by_storage(tensors, min_bytes, copy_span)
-        if not all(e.storage.resizable() for e in self._entries):
+        if not all(e.storage.resizable() and e.storage.device.type not in _free_checks
+                   for e in self._entries):
             self._entries = _keep_non_resizable(self._entries, name)
         self._take_stock()
         entries = self._entries

@@ -14,6 +14,7 @@ import torch
 
 import swap_pass
 from swap_pass import SwapConfig, SwapDataError, SwapTensors, swap_stats
+from swap_pass.runtime.device import register_free_check
 from swap_pass.runtime.freed_guard import is_guarded
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.testing import InjectedFailure, inject_failures
@@ -123,3 +124,26 @@ def test_a_kept_group_restored_by_its_reader_is_forgotten(config):
 def test_inject_failures_rejects_a_call_number_below_one():
     with pytest.raises(ValueError, match="free=0"), inject_failures(free=0):
         pass
+
+
+def test_a_storage_its_device_cannot_free_is_found_before_the_swap_and_kept():
+    """As torch_npu's private formats: the device's check keeps the storage on the device, the
+    group swaps the others, and the free is never attempted."""
+    tensors, expected = _two_storages()
+    refused = tensors[1].untyped_storage()._cdata
+    register_free_check("cpu", lambda t: "private format (test)"
+                        if t.untyped_storage()._cdata == refused else None)
+    try:
+        with pytest.warns(RuntimeWarning, match="private format"):
+            group = SwapTensors(tensors, name="layers[2]")
+        with inject_failures() as injected:
+            group.swap_to_host()
+            group.wait_d2h()
+        assert injected.calls["free"] == 1  # only the storage the device can free
+        assert tensors[0].untyped_storage().nbytes() == 0
+        assert torch.equal(tensors[1], expected[1]) and not is_guarded(tensors[1])
+        assert swap_stats().skipped_bytes["non_resizable"] == tensors[1].nbytes
+        group.restore()
+        assert _all_there(tensors, expected)
+    finally:
+        register_free_check("cpu", None)
