@@ -123,8 +123,9 @@ class SwapLayerInputHandle:
         so that :meth:`_undo` reverts exactly what happened)."""
         self.managers.append(manager)
         self.layers.append(layer)
-        inner = layer.__dict__.get("forward")
-        object.__setattr__(layer, "forward", _SwappedForward(layer, inner))
+        attr = _forward_attribute(layer)
+        inner = layer.__dict__.get(attr)
+        object.__setattr__(layer, attr, _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
 
     def _undo(self) -> None:
@@ -171,13 +172,35 @@ class SwapLayerInputHandle:
                 f"layers={len(self.layers)}, active={self.active})")
 
 
+# Note: [Inside accelerate's hooks]
+# accelerate (HF ``device_map``, ``dispatch_model``, CPU offload) replaces a block's ``forward``
+# with one that runs its hook's ``pre_forward`` (moving the inputs to the block's device, loading
+# offloaded weights) and then calls ``block._old_forward``. A swap wrapper put on ``forward``
+# would see the input before the move, on the previous block's device, and swap a tensor the
+# block never saves. So where a block carries accelerate's hook, the wrapper shadows
+# ``_old_forward``: it runs after the move, on the tensor the block saves. A hook added after
+# ``enable_swap_layer_input`` takes the wrapper as its ``_old_forward`` by itself.
+
+
+def _forward_attribute(layer: nn.Module) -> str:
+    """The attribute the swap wrapper shadows: ``forward``, or ``_old_forward`` inside
+    accelerate's hook (see Note: [Inside accelerate's hooks])."""
+    if "_hf_hook" in layer.__dict__ and "_old_forward" in layer.__dict__:
+        return "_old_forward"
+    return "forward"
+
+
 def _unpatch(layer: nn.Module) -> None:
-    """Give ``layer`` back the ``forward`` it had (its own instance attribute, or its class's)."""
-    patched = layer.__dict__.get("forward")
-    if isinstance(patched, _SwappedForward):
-        del layer.__dict__["forward"]
-        if patched.inner is not None:
-            layer.__dict__["forward"] = patched.inner
+    """Give ``layer`` back the ``forward`` (or ``_old_forward``) it had: its own instance
+    attribute, or its class's."""
+    for attr in ("forward", "_old_forward"):
+        patched = layer.__dict__.get(attr)
+        if isinstance(patched, _SwappedForward):
+            del layer.__dict__[attr]
+            if patched.inner is not None:
+                layer.__dict__[attr] = patched.inner
+            elif attr == "_old_forward":  # accelerate's hook came later: it calls this one
+                layer.__dict__[attr] = type(layer).forward.__get__(layer)
     layer.__dict__.pop("swap_manager", None)
 
 
