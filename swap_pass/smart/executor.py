@@ -124,6 +124,11 @@ class SmartExecutor:
         self._units: list[MicroBatch] = []  # this step's micro-batches, oldest first
         self._begin_micro_batch()
 
+    def forget_pending(self) -> None:
+        """Start the current step's bookkeeping again (:func:`swap_pass.reset` restored every
+        group); the mode and plan stay. Tensors saved before still restore at their unpack."""
+        self.begin_step(self.step_mode, self.policy)
+
     def _begin_micro_batch(self) -> None:
         """Reset the per-pass state: every micro-batch of a step runs the plan from its start.
 

@@ -125,8 +125,10 @@ _active: list[SmartSwap] = []
 
 @register_reset_hook
 def _reset_active() -> None:
+    """:func:`swap_pass.reset` keeps an active SmartSwap working: its hooks, stage, profile and
+    plan stay; what it swapped is brought back by the reset like any group."""
     for smart in list(_active):
-        smart.close()
+        smart._executor.forget_pending()
 
 
 class SmartSwap:
