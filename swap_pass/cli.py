@@ -292,13 +292,15 @@ def _plan_capacity(args: argparse.Namespace) -> str:
     preset = BenchPreset("plan", model, batch=args.batch, seq=args.seq, dtype=args.dtype)
     cap = parse_bytes(args.device_memory)
     host = parse_bytes(args.host_memory) if args.host_memory else available_host_bytes()
+    host_source = ("--host-memory" if args.host_memory else
+                   "this machine's available memory; pass --host-memory for the training host's")
     rows = plan_capacity(preset, args.dim, cap, host, optimizer=args.optimizer,
                          micro_batches=args.micro_batches)
     what = (f"hidden={args.hidden} layers={args.layers} heads={heads} "
             f"intermediate={model.intermediate_size} "
             f"vocab={args.vocab} seq={args.seq} batch={args.batch} dtype={args.dtype} "
             f"optimizer={args.optimizer} micro_batches={args.micro_batches}")
-    return format_planned(rows, cap, host, args.dim, what)
+    return format_planned(rows, cap, host, args.dim, what, host_source)
 
 
 def _run_capacity(args: argparse.Namespace, argv: list[str]) -> int:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from swap_pass.capacity.model import SWAP_RESIDENT_INPUTS
+
 __all__ = ["DTYPE_BYTES", "PlanInputs", "PlanResult", "format_plan", "layer_forward_flops",
            "simulate"]
 
@@ -131,7 +133,7 @@ def simulate(inputs: PlanInputs) -> PlanResult:
     p = inputs
     per_layer = p.batch * p.seq * p.hidden * DTYPE_BYTES[p.dtype]
     swapped = p.layers - 1  # the last layer's input is used at once by backward: never swapped
-    resident_with = min(2, p.layers) * p.micro_batches
+    resident_with = min(SWAP_RESIDENT_INPUTS, p.layers) * p.micro_batches
     resident_without = p.layers * p.micro_batches
     fwd_flops = layer_forward_flops(p.batch, p.seq, p.hidden)
     t_fwd = fwd_flops / (p.tflops * 1e12)
@@ -185,8 +187,8 @@ def format_plan(inputs: PlanInputs, result: PlanResult) -> str:
         ("layers swapped (all but the last)",
          f"{r.swapped_layers} x {p.micro_batches} micro-batch(es)"),
         ("host memory needed (pinned)", _mib(r.host_bytes_needed)),
-        ("layer inputs on device, no swap", f"{r.resident_inputs_without_swap}"),
-        ("layer inputs on device, swap", f"<= {r.resident_inputs_with_swap}"),
+        ("layer inputs on device at the peak, no swap", f"{r.resident_inputs_without_swap}"),
+        ("layer inputs on device at the peak, swap", f"<= {r.resident_inputs_with_swap}"),
         ("device memory saved", _mib(r.device_bytes_saved)),
         ("layer forward FLOPs (24bsh^2+4bs^2h)", f"{r.layer_forward_flops:.3e}"),
         (f"layer forward @ {p.tflops:g} TFLOP/s", _ms(r.layer_forward_s)),

@@ -72,10 +72,20 @@ def format_capacity(report: CapacityReport) -> str:
     return "\n".join(lines)
 
 
+_PLANNED_LEGEND = (
+    "  max: the largest size that fits; peak: the planned device peak at it",
+    "  state: parameters, gradients, optimizer state; activations: peak minus state",
+    "  host: pinned host memory the swap needs at that size",
+    "  x cap: device memory that size needs without swap, as a multiple of the cap",
+    "  limited by: what stops a larger size (device or host memory)",
+)
+
+
 def format_planned(rows: list[PlannedRow], cap_bytes: int, host_bytes: int, dim: str,
-                   what: str) -> str:
-    """The planned table of ``swap-pass plan --device-memory``, with a warning per host-limited
-    method."""
+                   what: str, host_source: str = "--host-memory") -> str:
+    """The planned table of ``swap-pass plan --device-memory``, with the host memory it assumed
+    and where that came from (``host_source``), a legend of its columns, and a warning per
+    host-limited method."""
     head = [f"method @ {_gib(cap_bytes)}", f"max {dim}", "peak", "state", "activations", "host",
             "x cap", "limited by"]
     body = [[r.label, str(r.max), _gib(r.memory.peak_bytes) if r.max else "-",
@@ -84,8 +94,9 @@ def format_planned(rows: list[PlannedRow], cap_bytes: int, host_bytes: int, dim:
              _gib(r.memory.host_bytes) if r.max else "-",
              f"{r.need_without_swap_bytes / cap_bytes:.2f}x" if r.max else "-", r.limited_by]
             for r in rows]
-    lines = [f"swap-pass plan --device-memory: {what}; host limit {_gib(host_bytes)}",
-             *_table(head, body)]
+    lines = [f"swap-pass plan --device-memory: {what}",
+             f"host memory assumed: {_gib(host_bytes)} ({host_source})",
+             *_table(head, body), *_PLANNED_LEGEND]
     for r in rows:
         if r.limited_by == "host":
             lines.append(f"warning: {r.label} is limited by host memory ({_gib(host_bytes)}), "

@@ -154,6 +154,12 @@ def test_plan_device_memory_command(capsys):
     assert rc == 0
     assert "swap-pass plan --device-memory" in out and "recompute + swap" in out
     assert "warning: SmartSwap is limited by host memory" in out
+    assert "host memory assumed: 1.00 GiB (--host-memory)" in out
+    assert "  x cap: device memory that size needs without swap" in out  # each column explained
+    rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32",
+               "--device-memory", "80GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(this machine's available memory; pass --host-memory" in out
     rc = main(["plan", "--hidden", "4096", "--seq", "4096", "--layers", "32",
                "--device-memory", "64GiB", "--optimizer", "adam", "--host-memory", "1TiB"])
     assert rc == 0 and "model state alone is 65.83 GiB" in capsys.readouterr().out
