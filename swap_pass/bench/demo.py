@@ -20,7 +20,7 @@ from swap_pass.models import LlamaConfig
 __all__ = ["DEMO_METHODS", "DEMO_PRESET", "demo_preset", "format_demo", "run_demo"]
 
 DEMO_METHODS = ("no_swap", "recompute", "eager_swap")
-DEFAULT_STEPS = 3  # per row: 1 warm-up, 1 timed (and its paired no-swap step), 1 profiled
+DEFAULT_STEPS = 5  # per row: 1 warm-up, 3 timed (each with its paired no-swap step), 1 profiled
 
 # No compile rows here, so the demo affords 16 layers (the bench's tiny preset has 6): the 15
 # layer inputs swap frees are then about a third of the full-recompute peak. Seq 256 (not 512)
@@ -57,6 +57,11 @@ def _cells(r: MethodResult) -> list[str]:
             mib(r.peak_device_bytes_released) if r.peak_device_bytes_released else "-",
             ms(r.step_s), ms(r.cpu_s), match]
 
+_CPU_TIMES = ("on CPU the copies are synchronous: the time columns show what the copies cost, "
+              "not whether they overlap compute (that needs an accelerator's streams); which of "
+              "full recompute and recompute + swap is faster can flip from run to run")
+
+
 def format_demo(report: BenchReport, preset: BenchPreset, device: torch.device) -> str:
     """The demo's table, what its columns mean on this device, and the load caveat if any."""
     rows, caveat = report.rows, load_caveat(report.meta, report.rows)
@@ -73,7 +78,9 @@ def format_demo(report: BenchReport, preset: BenchPreset, device: torch.device) 
         mem,
         "freed by swap MiB = the runtime's figure (swap_stats().peak_device_bytes_released): layer "
         "inputs whose storage was freed because their data was on the host",
-        "step ms / CPU ms = median wall / process CPU time of a step",
+        f"step ms / CPU ms = median wall / process CPU time of {preset.timed_steps} timed "
+        "step(s)",
+        *([_CPU_TIMES] if device.type == "cpu" else []),
         *([caveat] if caveat else []),
     ])
 

@@ -41,6 +41,12 @@ def test_demo_rows_are_measured_and_compared():
     text = format_demo(report, preset, torch.device("cpu"))
     assert "CPU allocator" in text and "swap_stats().peak_device_bytes_released" in text
     assert "yes (bitwise)" in text
+    assert "of 1 timed step(s)" in text and "on CPU the copies are synchronous" in text
+
+
+def test_demo_times_a_median_of_three_steps_by_default():
+    p = demo_preset()
+    assert p.timed_steps >= 3 and p.warmup_steps == 1
 
 
 def test_demo_command_prints_the_table(capsys):
