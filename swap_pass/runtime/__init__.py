@@ -67,7 +67,8 @@ def reset() -> None:
 
     Safe at any point, also between a forward and its backward: every storage still off the
     device is restored first (a later backward then runs without swapping it), and layers whose
-    swap is still enabled register again at their next call.
+    swap is still enabled register again at their next call. An active ``SmartSwap`` keeps
+    working: its hooks, stage and plan stay; only its pending state for the step is cleared.
 
     Raises:
         SwapDataError: a group could not be restored (device memory exhausted): everything else
