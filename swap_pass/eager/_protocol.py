@@ -76,6 +76,7 @@ import torch
 
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.runtime import register_reset_hook, stats
+from swap_pass.runtime.device import entry_compute_stream
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import autograd_mark, may_free
 from swap_pass.runtime.skips import warn_once
@@ -344,7 +345,8 @@ def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
 
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
-                        grad_at_entry: bool, since: int) -> None:
+                        grad_at_entry: bool, since: int,
+                        entry_stream: torch.Stream | None = None) -> None:
     if grad_at_entry:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
@@ -357,8 +359,8 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         free_previous(earlier, roots, abandon=False)  # the region started waits for the next
         return
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
-    if claimed:
-        group = manager.swap_out(claimed, copy_span=True)
+    if claimed:  # its compute stream: the one current at the layer's entry
+        group = manager.swap_out(claimed, copy_span=True, compute_stream=entry_stream)
     else:
         group = None
         if not manager.is_last_layer:  # counted by reason by the claim
@@ -395,9 +397,11 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         grad_at_entry = torch.is_grad_enabled()
         guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
+        entry_stream = entry_compute_stream(hidden_states) if claimed else None
         since = autograd_mark()
         result = call(*args, **kwargs)
-        _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry, since)
+        _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry, since,
+                            entry_stream)
         if manager.is_last_layer:
             abandon_unguarded_earlier(manager)
             if _MISSED:

@@ -32,6 +32,7 @@ __all__ = [
     "cannot_free_reason",
     "copy_range_name",
     "device_streams",
+    "entry_compute_stream",
     "is_async_device",
     "register_free_check",
 ]
@@ -282,6 +283,14 @@ def _enter_copy_range(dst: torch.Tensor | torch.UntypedStorage) -> record_functi
 def copy_range_name(nbytes: int) -> str:
     """The profiler range of one runtime copy of ``nbytes`` bytes: ``swap_pass::copy[N B]``."""
     return f"{COPY_RANGE}[{nbytes} B]"
+
+
+def entry_compute_stream(t: torch.Tensor) -> torch.Stream | None:
+    """The stream current on ``t``'s device now (None where copies are synchronous): read at a
+    layer's entry, it becomes the compute stream of the swap of ``t`` (see Note: [The compute
+    stream of a swap] in ``swap_tensors.py``)."""
+    ds = device_streams(t.device)
+    return ds.compute_stream() if ds.is_async else None
 
 
 _streams_lock = threading.Lock()

@@ -266,15 +266,18 @@ class SwapLayerInputManager:
         return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned) + local
 
     def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
-                 copy_span: bool = False) -> SwapTensors:
+                 copy_span: bool = False,
+                 compute_stream: torch.Stream | None = None) -> SwapTensors:
         """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
 
         The first layer's first group of each size runs :meth:`preflight_for` first.
         ``copy_span`` is for the list that :meth:`claim` returned (see :class:`SwapTensors`):
-        its tensors are not checked again, and the group keeps the list.
+        its tensors are not checked again, and the group keeps the list. ``compute_stream``:
+        the stream current at the layer's entry (default: the current one).
         """
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
-                            name=name or self.name, copy_span=copy_span, checked=copy_span)
+                            name=name or self.name, copy_span=copy_span, checked=copy_span,
+                            compute_stream=compute_stream)
         if self.layer_idx == 0:
             self.preflight_for(group.host_nbytes)
         self.batch_stack.append(group)
