@@ -391,8 +391,7 @@ class _ModelStreams(_device.DeviceStreams):
             return contextlib.nullcontext()
         return self.model.current(stream)
 
-    @staticmethod
-    def is_capturing(stream) -> bool:
+    def is_capturing(self, stream) -> bool:
         return False
 
     def copy(self, stream, dst, src, pinned: bool = False, compute=None) -> None:

@@ -200,17 +200,26 @@ class DeviceStreams:
             return contextlib.nullcontext()
         return stream  # torch.Stream is a context manager that makes itself current
 
-    @staticmethod
-    def is_capturing(stream: torch.Stream | None) -> bool:
-        """Whether ``stream`` is capturing a graph (CUDA graphs): nothing may be queued then that
-        touches host buffers or frees device memory. False on CPU and where a backend cannot
-        tell."""
+    def is_capturing(self, stream: torch.Stream | None) -> bool:
+        """Whether ``stream`` (a compute stream, current when a swap begins) is capturing a
+        graph (CUDA graphs): nothing may be queued then that touches host buffers or frees
+        device memory.
+
+        ``torch.Stream.is_capturing`` where the backend answers it; else the device module's
+        ``is_current_stream_capturing`` (``torch.cuda``, ``torch.xpu``, torch_npu's
+        ``torch.npu``); else False. None (CPU) never captures.
+        """
         if stream is None:
             return False
-        try:
-            return bool(stream.is_capturing())
-        except (AttributeError, RuntimeError, NotImplementedError):
-            return False
+        query = getattr(stream, "is_capturing", None)
+        if query is not None:
+            try:
+                return bool(query())
+            except (RuntimeError, NotImplementedError):  # a backend without the query
+                pass
+        query = getattr(getattr(torch, self.device.type, None), "is_current_stream_capturing",
+                        None)
+        return bool(query()) if query is not None else False
 
     def copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
              src: torch.Tensor | torch.UntypedStorage, pinned: bool = False,
