@@ -248,6 +248,7 @@ class ModelStream:
         self.queue: deque[_Copy | _Wait] = deque()
         self.issued = 0  # copies ever queued
         self.done = 0  # copies ever completed
+        self.capturing = False  # set by a test: the stream reports a graph capture in progress
 
     def __repr__(self) -> str:
         return f"ModelStream({self.name!r}, pending={len(self.queue)})"
@@ -392,7 +393,7 @@ class _ModelStreams(_device.DeviceStreams):
         return self.model.current(stream)
 
     def is_capturing(self, stream) -> bool:
-        return False
+        return bool(getattr(stream, "capturing", False))
 
     def copy(self, stream, dst, src, pinned: bool = False, compute=None) -> None:
         if isinstance(dst, torch.UntypedStorage):  # two storages: every byte

@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from swap_pass import SwapConfig, SwapTensors
+from swap_pass import SwapConfig, SwapTensors, swap_stats
 from swap_pass.testing import stream_model
 
 pytestmark = pytest.mark.no_stream_model  # each test runs its own model
@@ -89,3 +89,18 @@ def test_a_compute_stream_given_to_the_group_is_used():
         group.restore()
         assert group.compute_stream is producer and torch.equal(x, expected)
     assert not model.hazards
+
+
+def test_nothing_is_swapped_while_the_compute_stream_captures_a_graph():
+    with stream_model(early_probability=0.0) as model:
+        x = torch.randn(256)
+        expected = x.clone()
+        model.compute.capturing = True
+        group = SwapTensors([x], config=STREAMS, name="layers[1]")
+        with pytest.warns(RuntimeWarning, match="capturing a graph|CUDA graph"):
+            group.swap_to_host()
+        group.wait_d2h()
+        assert group.kept_on_device and x.untyped_storage().nbytes() == x.nbytes
+        assert model.copies_queued == 0 and torch.equal(x, expected)
+        group.restore()
+        assert swap_stats().skipped_bytes["stream_capture"] == x.nbytes
