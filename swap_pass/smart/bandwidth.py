@@ -144,12 +144,23 @@ class CopyClock:
         streams = device_streams(device, use_streams)
         return self.time(fn, timing, streams.d2h_stream() if to_host else streams.h2d_stream())
 
-    def seconds(self) -> float:
-        """Seconds counted so far; waits for copies still running when timed with events."""
+    def seconds(self, wait: bool = True) -> float:
+        """Seconds counted so far.
+
+        Args:
+            wait: Wait for copies timed with events that are still running. Without it they
+                are left out until a later call finds them finished: the steady state never
+                waits for the device. Default: ``True``.
+        """
+        running = []
         for start, end in self._pending:
-            end.synchronize()
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                running.append((start, end))
+                continue
             self._seconds += start.elapsed_time(end) / 1e3
-        self._pending.clear()
+        self._pending = running
         return self._seconds
 
 

@@ -184,10 +184,14 @@ class SmartExecutor:
         self._complete_inflight()
         rep = self.report
         self._close_unit()
+        # A planned step (the steady state) counts the copies finished by now, waiting for none.
+        transfer_s = None
         for unit in rep.units:  # step time and copy time shared evenly by the micro-batches
             if unit.profile is not None:
+                if transfer_s is None:
+                    transfer_s = self._clock.seconds(wait=self.step_mode != ExecMode.PLANNED)
                 unit.profile.step_s = step_s / rep.micro_batches
-                unit.profile.transfer_s = self._clock.seconds() / rep.micro_batches
+                unit.profile.transfer_s = transfer_s / rep.micro_batches
         first = rep.units[0]
         rep.keys, rep.profile = first.keys, first.profile
         rep.signature = hash(tuple(rep.keys))
