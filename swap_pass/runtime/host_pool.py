@@ -233,18 +233,17 @@ class HostBufferPool:
     def _fresh(self, nbytes: int, pin: bool, block: int, evicted: _Evicted) -> torch.Tensor:
         """Allocate a buffer whose ``block`` bytes :meth:`_make_room` set aside, after giving
         back what it evicted: outside the lock, since either can synchronize the device."""
-        _give_back(evicted)
+        buf = None
         try:
+            _give_back(evicted)
             buf = self._allocate(nbytes, pin)
-        except HostMemoryError:
+        finally:
             with self._lock:
                 self._pending_bytes -= block
-            raise
+                if buf is not None:
+                    self._take_fresh(nbytes, pin, block)
         if self.on_allocate is not None:
             self.on_allocate(buf)
-        with self._lock:
-            self._pending_bytes -= block
-            self._take_fresh(nbytes, pin, block)
         return buf
 
     def release(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
@@ -353,7 +352,7 @@ class HostBufferPool:
             if event is not None:
                 self._events[buf.data_ptr()] = event
             bucket = self._free.get(key)
-            if bucket is None:  # a buffer from before clear(): its size is counted again
+            if bucket is None:  # not handed out under this key: its block is computed now
                 bucket = self._free[key] = _Bucket(block_bytes(*key))
             bucket.append(buf)
             self._in_use_bytes -= bucket.block
@@ -429,7 +428,8 @@ class HostBufferPool:
             :meth:`_fresh` once the lock is released).
 
         Raises:
-            HostMemoryError: buffers in use leave no room for the block, cached ones dropped.
+            HostMemoryError: buffers in use (or being allocated) leave no room for the block
+                even with every cached one dropped; then none is dropped.
         """
         bucket = self._free.get((nbytes, pin))
         block = bucket.block if bucket is not None else block_bytes(nbytes, pin)
