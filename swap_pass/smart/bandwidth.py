@@ -62,25 +62,24 @@ def _start_events(stream: torch.Stream) -> tuple[torch.Event, torch.Event]:
     return start, end
 
 
-def time_on_device(fn: Callable[[], object], timing: Timing,
-                   stream: torch.Stream | None = None) -> float:
-    """Seconds ``fn``'s work takes, waiting for it to complete.
+def time_on_device(fn: Callable[[], object], device: torch.device | str,
+                   timing: Timing | None = None) -> float:
+    """Seconds ``fn``'s work on ``device`` takes, waiting for it to complete.
 
     Args:
-        fn: Queues the work (on ``stream`` when timing with events).
-        timing: :class:`Timing` of the device (:func:`timing_for`).
-        stream: The stream the work runs on. Default: ``None`` (the current stream of the
-            accelerator, for ``Timing.EVENTS``).
+        fn: Queues the work on ``device``'s current stream.
+        device: Where the work runs.
+        timing: How to time it. Default: ``None`` (:func:`timing_for` ``device``).
 
     Raises:
-        ValueError: ``Timing.EVENTS`` without an accelerator.
+        ValueError: ``Timing.EVENTS`` on a CPU device.
     """
+    timing = timing_for(device) if timing is None else timing
     if timing is Timing.HOST:
         t0 = now()
         fn()
         return now() - t0
-    if stream is None and torch.accelerator.is_available():
-        stream = torch.accelerator.current_stream()
+    stream = torch.accelerator.current_stream(device) if is_async_device(device) else None
     _check_events(timing, stream, "time_on_device")
     start, end = _start_events(stream)
     fn()
@@ -170,7 +169,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 16 << 20, repeats
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     pinned = is_async_device(device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    timing = timing_for(device)
-    best = min(time_on_device(lambda: dst.copy_(src, non_blocking=pinned), timing)
+    best = min(time_on_device(lambda: dst.copy_(src, non_blocking=pinned), device)
                for _ in range(repeats))
     return nbytes / max(best, 1e-9)

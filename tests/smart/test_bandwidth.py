@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from swap_pass import SmartSwap, SwapTensors
-from swap_pass.smart.bandwidth import CopyClock, Timing, measure_copy_bandwidth, timing_for
+from swap_pass.smart.bandwidth import (
+    CopyClock,
+    Timing,
+    measure_copy_bandwidth,
+    time_on_device,
+    timing_for,
+)
 from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 from tests.smart.helpers import Pair
 
@@ -20,10 +26,12 @@ def test_cpu_work_is_timed_on_the_host():
     assert measure_copy_bandwidth(torch.device("cpu"), nbytes=1 << 20) > 0
 
 
-def test_timing_events_need_a_stream():
+def test_timing_events_need_an_accelerator_stream():
     with pytest.raises(ValueError, match=r"swap_pass\.CopyClock: timing='events' got no stream "
                                          r"\(a CPU device\)\. Events time work on an accelerator"):
         CopyClock().time(lambda: None, Timing.EVENTS)
+    with pytest.raises(ValueError, match=r"swap_pass\.time_on_device: timing='events' got no"):
+        time_on_device(lambda: None, "cpu", Timing.EVENTS)
 
 
 def test_smartswap_times_cpu_copies_on_the_host():
