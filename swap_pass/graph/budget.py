@@ -17,7 +17,8 @@ A tensor whose copy cannot hide (too little compute between its producer and the
 or between the backward's start and its first reader) is never chosen. Compute time is the
 matmul-class FLOPs of each node (``torch.utils.flop_counter``) over the device's FLOP rate; copy
 time is bytes over the host link bandwidth. Both are measured on the graph's device when not
-given (:class:`CostModel`).
+given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls (see Note:
+[Throughput probe]).
 
 Note: [Greedy choice]
 At each round the point of the predicted peak is found; among the tensors whose freed interval
@@ -31,7 +32,6 @@ predicted peak is an upper bound on the graph's activations, not the allocator's
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 from torch import fx
@@ -46,8 +46,8 @@ class CostModel:
     Args:
         copy_bytes_per_s: Host link bandwidth in bytes/s; measured on the graph's device when
             ``None``. Default: ``None``.
-        flops_per_s: Achieved matmul FLOP/s; measured on the graph's device when ``None``.
-            Default: ``None``.
+        flops_per_s: Achieved matmul FLOP/s; measured on the graph's device, with the dtype of
+            its matmuls, when ``None`` (see Note: [Throughput probe]). Default: ``None``.
     """
 
     copy_bytes_per_s: float | None = None
@@ -60,28 +60,72 @@ class CostModel:
                 raise ValueError(f"swap_pass.CostModel: {name}={value!r} is invalid. "
                                  "It must be None or a number > 0.")
 
-    def resolved(self, device: torch.device) -> CostModel:
-        """This model with the missing figures measured on ``device``."""
-        from swap_pass.smart.executor import measure_copy_bandwidth
+    def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> CostModel:
+        """This model with the missing figures measured on ``device``.
+
+        Args:
+            device: The graph's device.
+            dtype: The dtype of the graph's matmuls. Default: ``None`` (the FLOP rate stays
+                unmeasured until :func:`choose_swaps` reads the dtype from the graph).
+        """
+        from swap_pass.smart.bandwidth import measure_copy_bandwidth
 
         copy = self.copy_bytes_per_s or measure_copy_bandwidth(device)
-        return CostModel(copy, self.flops_per_s or _measure_flops(device))
+        flops = self.flops_per_s
+        if flops is None and dtype is not None:
+            flops = measure_flops(device, dtype)
+        return CostModel(copy, flops)
 
 
-def _measure_flops(device: torch.device, n: int = 512, repeats: int = 3) -> float:
+# Note: [Throughput probe]
+# The budget compares compute time with copy time, so the FLOP rate must be the one the graph
+# gets. A 512x512 fp32 matmul measures launch latency and fp32 on an accelerator: an H200 in
+# bf16 is 30-100x faster than it suggests, and budget mode would then count on compute windows
+# that are not there. So the probe multiplies two square matrices of the dtype of the graph's
+# matmuls (a bf16 model gets tensor-core bf16), of a side that reaches the device's peak
+# (4096 on an accelerator: 137 GFLOP, a fraction of a millisecond; 96 MiB in bf16), once to
+# warm up and then the best of three, timed with events on the accelerator's stream (host time
+# would be the enqueue). On CPU 512 keeps the probe short (about 10 ms in fp32 on two cores).
+
+PROBE_SIDE = {"cpu": 512, "accelerator": 4096}
+
+
+def probe_side(device: torch.device) -> int:
+    """The side of the square matmul the FLOP rate probe times on ``device``."""
     from swap_pass.runtime.device import is_async_device
 
-    a = torch.randn(n, n, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        if is_async_device(device):
-            torch.accelerator.synchronize(device)
-        t0 = time.perf_counter()
-        a @ a
-        if is_async_device(device):
-            torch.accelerator.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+    return PROBE_SIDE["accelerator" if is_async_device(device) else "cpu"]
+
+
+def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32,
+                  n: int | None = None, repeats: int = 3) -> float:
+    """Achieved matmul FLOP/s on ``device`` in ``dtype`` (see Note: [Throughput probe]).
+
+    Args:
+        device: Where the probe runs.
+        dtype: The matmuls' dtype (not a floating dtype: ``float32``). Default: ``float32``.
+        n: The side of the square matrices. Default: ``None`` (:func:`probe_side`).
+        repeats: Timed runs after one warm-up; the best counts. Default: ``3``.
+    """
+    from swap_pass.smart.bandwidth import time_on_device
+
+    n = n or probe_side(device)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    time_on_device(lambda: a @ b, device)  # library set-up, kernel choice
+    best = min(time_on_device(lambda: a @ b, device) for _ in range(repeats))
     return 2 * n**3 / max(best, 1e-9)
+
+
+def matmul_dtype(gm: fx.GraphModule) -> torch.dtype | None:
+    """The dtype of ``gm``'s first matmul-class node (what the FLOP rate is measured in), or
+    None when it has none."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if _flops(n) and isinstance(val, torch.Tensor):
+            return val.dtype
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +361,7 @@ def choose_swaps(fw: fx.GraphModule, bw: fx.GraphModule, candidates: list[tuple[
     Returns:
         The choices in forward order, the predicted peak without swap and with the choices.
     """
+    cost = _with_flops(fw, bw, candidates, cost)
     tl = _timeline(fw, bw, cost)
     options = {n: c for n, nb in candidates if (c := _placement(tl, n, nb, cost, bw)) is not None}
     chosen: dict[fx.Node, SwapChoice] = {}
@@ -332,6 +377,18 @@ def choose_swaps(fw: fx.GraphModule, bw: fx.GraphModule, candidates: list[tuple[
         profile = _profile(tl, chosen)
     order = sorted(chosen.values(), key=lambda c: tl.index[c.node])
     return order, before, max(profile, default=0)
+
+
+def _with_flops(fw: fx.GraphModule, bw: fx.GraphModule,
+                candidates: list[tuple[fx.Node, int]], cost: CostModel) -> CostModel:
+    """``cost`` with its FLOP rate measured, if missing, on the candidates' device in the
+    dtype of the graphs' matmuls (see Note: [Throughput probe])."""
+    if cost.flops_per_s is not None:
+        return cost
+    vals = (n.meta.get("val") for n, _ in candidates)
+    device = next((v.device for v in vals if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    dtype = matmul_dtype(fw) or matmul_dtype(bw) or torch.float32
+    return CostModel(cost.copy_bytes_per_s, measure_flops(device, dtype))
 
 
 def _gain(tl: _Timeline, choice: SwapChoice, chosen: dict, at: int) -> int:

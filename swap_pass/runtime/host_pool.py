@@ -3,7 +3,8 @@
 Fresh pinned allocations cost milliseconds and can synchronize the device, so a buffer released
 after its host-to-device copy goes back to a bucket keyed by ``(nbytes, pinned)`` and serves the
 next request of that size. ``SwapConfig.max_host_bytes`` caps everything the pool holds, cached
-buffers included; cached buffers are dropped first when a request would pass the cap.
+buffers included, counted in the bytes the host allocator set aside for them (see Note: [Pinned
+block bytes]); cached buffers are dropped, as few as will do, when a request would pass the cap.
 
 Note: [A released buffer carries its last copy's event]
 A buffer may be given back while a copy on some stream still reads or writes it (its releaser
@@ -35,7 +36,7 @@ import torch
 from swap_pass.runtime import stats
 from swap_pass.runtime.errors import HostMemoryError
 
-__all__ = ["HostBufferPool", "available_host_bytes", "host_pool", "preflight",
+__all__ = ["HostBufferPool", "available_host_bytes", "block_bytes", "host_pool", "preflight",
            "return_pinned_memory", "storage_use_count"]
 
 
@@ -59,18 +60,93 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# Note: [Pinned block bytes]
+# Pinned buffers come from PyTorch's caching host allocator, which rounds every request up to a
+# power of two (``CachingHostAllocatorImpl::allocate``) unless it is above the allocator
+# setting ``pinned_max_round_threshold_mb`` or ``pinned_max_cached_size_mb`` (both unlimited by
+# default; ``PYTORCH_ALLOC_CONF``): a 96 MiB layer input pins a 128 MiB block, and a pool that
+# counted requested bytes could pin up to twice ``SwapConfig.max_host_bytes`` while
+# ``swap_stats()`` reported less. So the pool counts every buffer at its block size: the host
+# gauges, the cap and its error messages all speak of bytes actually set aside. Pageable
+# buffers (CPU, ``pin_memory=False``) count their own size. A bucket's block size is fixed
+# when its first buffer is allocated; settings changed later apply to new sizes only.
+
+_MIB = 1 << 20
+_UNLIMITED = (1 << 64) - 1
+
+
+def _allocator_settings() -> dict[str, str]:
+    """``key: value`` of the allocator settings: the environment, then what torch reports."""
+    text = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                         "PYTORCH_ALLOC_CONF"))
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        try:
+            text += "," + get()
+        except RuntimeError:
+            pass
+    pairs = (item.split(":", 1) for item in text.split(",") if ":" in item)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def _setting_bytes(settings: dict[str, str], key: str) -> int:
+    """A ``*_mb`` allocator setting in bytes (unlimited when unset or unreadable)."""
+    try:
+        return int(float(settings[key]) * _MIB)
+    except (KeyError, ValueError):
+        return _UNLIMITED
+
+
+def block_bytes(nbytes: int, pinned: bool) -> int:
+    """Bytes the host allocator sets aside for a buffer of ``nbytes`` (see Note: [Pinned block
+    bytes]).
+
+    Args:
+        nbytes: The buffer's size in bytes.
+        pinned: Whether the buffer is page-locked (from the caching host allocator).
+
+    Returns:
+        ``nbytes`` rounded up to a power of two for a pinned buffer the allocator rounds;
+        ``nbytes`` otherwise.
+    """
+    if not pinned or nbytes <= 1:
+        return max(nbytes, 0)
+    settings = _allocator_settings()
+    if (nbytes > _setting_bytes(settings, "pinned_max_round_threshold_mb")
+            or nbytes > _setting_bytes(settings, "pinned_max_cached_size_mb")):
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
+
+
+class _Bucket(list):
+    """Cached buffers of one ``(nbytes, pinned)`` key, and the block bytes each one holds."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: int) -> None:
+        super().__init__()
+        self.block = block
+
+
+# Cached buffers taken out under the pool's lock, with their events and whether they are pinned.
+_Evicted = list[tuple[torch.Tensor, object, bool]]
+
+
 class HostBufferPool:
     """A pool of contiguous host tensors, bucketed by size in bytes and pinning.
 
     A buffer is a flat ``uint8`` tensor unless it was last taken with a ``like`` tensor (see
-    :meth:`take`); either way only its bytes count.
+    :meth:`take`); either way it counts the bytes the host allocator set aside for it (see
+    Note: [Pinned block bytes]).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        # (nbytes, pinned) -> cached buffers; a bucket stays once made: it knows its block size
+        self._free: dict[tuple[int, bool], _Bucket] = {}
         self._reserved_bytes = 0  # in use plus cached: changes only when buffers come or go
         self._in_use_bytes = 0
+        self._pending_bytes = 0  # set aside for fresh buffers being allocated
         self._peak_in_use_bytes = 0  # since the last restart_gauges()
         self._allocations = 0  # fresh buffers since the last restart_gauges()
         self._events: dict[int, object] = {}  # data_ptr -> event of the buffer's last copy
@@ -86,12 +162,12 @@ class HostBufferPool:
 
     @property
     def bytes_in_use(self) -> int:
-        """Bytes in buffers handed out and not yet released."""
+        """Block bytes of buffers handed out and not yet released."""
         return self._in_use_bytes
 
     @property
     def bytes_reserved(self) -> int:
-        """Bytes held in all: in use plus cached for reuse."""
+        """Block bytes held in all: in use plus cached for reuse."""
         return self._reserved_bytes
 
     def acquire(self, nbytes: int, *, pin: bool, max_host_bytes: int | None = None) -> torch.Tensor:
@@ -118,7 +194,8 @@ class HostBufferPool:
         Args:
             nbytes: The buffer's size in bytes.
             pin: Whether it must be page-locked (part of the bucket's key).
-            max_host_bytes: ``SwapConfig.max_host_bytes``. Default: ``None`` (no cap).
+            max_host_bytes: ``SwapConfig.max_host_bytes``, in block bytes (see Note: [Pinned
+                block bytes]). Default: ``None`` (no cap).
             like: A tensor of ``nbytes`` bytes: the buffer comes with its dtype and shape
                 (contiguous), so that the tensor copies into it as it is, without a byte view
                 of either side. A buffer given back keeps that shape, and the next request of
@@ -134,28 +211,40 @@ class HostBufferPool:
         lock.acquire()  # not ``with``: see _put_back()
         try:
             bucket = self._free.get((nbytes, pin))
-            if bucket:  # a reused buffer: _take(nbytes, fresh=False), inline on the hot path
+            if bucket:  # a reused buffer, inline on the hot path
                 buf = bucket.pop()
                 event = self._events.pop(buf.data_ptr(), None) if self._events else None
-                self._in_use_bytes += nbytes
+                self._in_use_bytes += bucket.block
                 if self._in_use_bytes > self._peak_in_use_bytes:
                     self._peak_in_use_bytes = self._in_use_bytes
             else:
-                buf = None
-                self._make_room(nbytes, max_host_bytes)
+                buf, event = None, None
+                block, evicted = self._make_room(nbytes, pin, max_host_bytes)
         finally:
             lock.release()
         if buf is None:
-            buf, event = self._allocate(nbytes, pin), None
-            if self.on_allocate is not None:
-                self.on_allocate(buf)
-            with self._lock:
-                self._take(nbytes, fresh=True)
+            buf = self._fresh(nbytes, pin, block, evicted)
         if like is None:
             return (buf if buf.dtype is torch.uint8 and buf.dim() == 1 else _flat(buf)), event
         if buf.dtype is like.dtype and buf.shape == like.shape:
             return buf, event
         return _flat(buf).view(like.dtype).view(like.shape), event
+
+    def _fresh(self, nbytes: int, pin: bool, block: int, evicted: _Evicted) -> torch.Tensor:
+        """Allocate a buffer whose ``block`` bytes :meth:`_make_room` set aside, after giving
+        back what it evicted: outside the lock, since either can synchronize the device."""
+        buf = None
+        try:
+            _give_back(evicted)
+            buf = self._allocate(nbytes, pin)
+        finally:
+            with self._lock:
+                self._pending_bytes -= block
+                if buf is not None:
+                    self._take_fresh(nbytes, pin, block)
+        if self.on_allocate is not None:
+            self.on_allocate(buf)
+        return buf
 
     def release(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
         """Give ``buf`` back for reuse.
@@ -198,12 +287,17 @@ class HostBufferPool:
         """
         self._deferred.append((bufs, 0, stat_deltas, event))
 
-    def forget(self, nbytes: int) -> None:
-        """Stop counting ``nbytes`` of handed-out buffers that died with their last user.
+    def forget(self, nbytes: int, pinned: bool | None = None) -> None:
+        """Stop counting a handed-out buffer of ``nbytes`` that died with its last user.
 
         Safe inside finalizers: queued like :meth:`release_deferred`.
+
+        Args:
+            nbytes: The buffer's size in bytes (one buffer: its block size is looked up).
+            pinned: Whether it was pinned. Default: ``None`` (pinned if the pool pinned
+                buffers of that size).
         """
-        self._deferred.append(([], nbytes, {}, None))
+        self._deferred.append(([], nbytes, {}, pinned))
 
     def drain_deferred(self) -> None:
         """Apply what :meth:`release_deferred` and :meth:`forget` queued, and give back the
@@ -224,14 +318,24 @@ class HostBufferPool:
                 bufs, forgotten, stat_deltas, event = self._deferred.popleft()
             except IndexError:  # drained by another thread meanwhile
                 return
+            if forgotten:  # from forget(): ``event`` holds whether the buffer was pinned
+                with self._lock:
+                    block = self._forgotten_block(forgotten, event)
+                    self._in_use_bytes -= block
+                    self._reserved_bytes -= block
+                continue
             for buf in bufs:
                 self._put_back(buf, event)
-            if forgotten:
-                with self._lock:
-                    self._in_use_bytes -= forgotten
-                    self._reserved_bytes -= forgotten
             if stat_deltas:
                 stats.record(**stat_deltas)
+
+    def _forgotten_block(self, nbytes: int, pinned: bool | None) -> int:
+        """Block bytes of a forgotten buffer of ``nbytes`` (under the lock)."""
+        for pin in ((True, False) if pinned is None else (pinned,)):
+            bucket = self._free.get((nbytes, pin))
+            if bucket is not None:
+                return bucket.block
+        return nbytes
 
     def _put_back(self, buf: torch.Tensor, event: object = None,
                   pinned: bool | None = None) -> None:
@@ -248,44 +352,57 @@ class HostBufferPool:
             if event is not None:
                 self._events[buf.data_ptr()] = event
             bucket = self._free.get(key)
-            if bucket is None:
-                bucket = self._free[key] = []
+            if bucket is None:  # not handed out under this key: its block is computed now
+                bucket = self._free[key] = _Bucket(block_bytes(*key))
             bucket.append(buf)
-            self._in_use_bytes -= nbytes
+            self._in_use_bytes -= bucket.block
         finally:
             lock.release()
 
     def clear(self) -> None:
         """Drop every cached buffer (buffers in use are not touched; those a graph may still
-        read are given up: call it between runs)."""
+        read are given up: call it between runs). Pinned memory nothing else holds goes back
+        to the system (see Note: [Returning pinned memory])."""
         self.drain_deferred()
         while self._unread:
             self._put_back(*self._unread.popleft())
         with self._lock:
-            pinned = self._drop_cached()
-        if pinned:
-            return_pinned_memory()
+            dropped = self._evict(None)
+        _give_back(dropped)  # outside the lock: see Note: [Nothing that can synchronize]
 
     # --- internals ---
 
-    def _drop_cached(self) -> bool:
-        """Drop the cached buffers; return whether any was pinned."""
-        pinned = False
-        for (_, pin), bucket in self._free.items():
-            pinned = pinned or (pin and bool(bucket))
-            for buf in bucket:
-                self._events.pop(buf.data_ptr(), None)
-        self._free.clear()
-        self._reserved_bytes = self._in_use_bytes
-        return pinned
+    def _evict(self, need: int | None) -> _Evicted:
+        """Take cached buffers out of their buckets until ``need`` block bytes are freed (all
+        of them when None), under the lock; return them with their events and pinning, to be
+        given back (:func:`_give_back`) once the lock is released.
 
-    def _take(self, nbytes: int, *, fresh: bool) -> None:
-        self._in_use_bytes += nbytes
+        The smallest single buffer that frees ``need`` goes, else the largest ones first: few
+        buffers, and none freed beyond what is needed.
+        """
+        cached = sorted(((key[1], b) for key, b in self._free.items() if b),
+                        key=lambda item: item[1].block)
+        if need is None:
+            need = sum(b.block * len(b) for _, b in cached)
+        one = next((item for item in cached if item[1].block >= need), None)
+        evicted, freed = [], 0
+        for pinned, bucket in [one] if one is not None else reversed(cached):
+            while bucket and freed < need:
+                buf = bucket.pop()
+                evicted.append((buf, self._events.pop(buf.data_ptr(), None), pinned))
+                freed += bucket.block
+        self._reserved_bytes -= freed
+        return evicted
+
+    def _take_fresh(self, nbytes: int, pin: bool, block: int) -> None:
+        """Count a fresh buffer of ``block`` bytes as in use (under the lock)."""
+        if (nbytes, pin) not in self._free:
+            self._free[(nbytes, pin)] = _Bucket(block)
+        self._in_use_bytes += block
         if self._in_use_bytes > self._peak_in_use_bytes:
             self._peak_in_use_bytes = self._in_use_bytes
-        self._allocations += fresh
-        if fresh:
-            self._reserved_bytes += nbytes
+        self._allocations += 1
+        self._reserved_bytes += block
 
     def gauges(self) -> dict[str, int]:
         """The host fields of :class:`~swap_pass.SwapStats`: bytes in use (and their peak),
@@ -302,16 +419,33 @@ class HostBufferPool:
             self._peak_in_use_bytes = self._in_use_bytes
             self._allocations = 0
 
-    def _make_room(self, nbytes: int, max_host_bytes: int | None) -> None:
-        if max_host_bytes is None or self.bytes_reserved + nbytes <= max_host_bytes:
-            return
-        if self._drop_cached():
-            return_pinned_memory()
-        if self._in_use_bytes + nbytes > max_host_bytes:
-            raise HostMemoryError(
-                "host_pool", nbytes, max(max_host_bytes - self._in_use_bytes, 0),
-                f"SwapConfig.max_host_bytes={max_host_bytes} would be passed",
-            )
+    def _make_room(self, nbytes: int, pin: bool, max_host_bytes: int | None
+                   ) -> tuple[int, _Evicted]:
+        """Set aside the block of a fresh buffer under ``max_host_bytes`` (under the lock).
+
+        Returns:
+            The block bytes set aside, and the cached buffers evicted for them (given back by
+            :meth:`_fresh` once the lock is released).
+
+        Raises:
+            HostMemoryError: buffers in use (or being allocated) leave no room for the block
+                even with every cached one dropped; then none is dropped.
+        """
+        bucket = self._free.get((nbytes, pin))
+        block = bucket.block if bucket is not None else block_bytes(nbytes, pin)
+        evicted = []
+        if max_host_bytes is not None:
+            committed = self._pending_bytes + self._in_use_bytes
+            if committed + block > max_host_bytes:
+                raise HostMemoryError(
+                    "host_pool", block, max(max_host_bytes - committed, 0),
+                    f"SwapConfig.max_host_bytes={max_host_bytes} would be passed",
+                )
+            over = self._reserved_bytes + self._pending_bytes + block - max_host_bytes
+            if over > 0:
+                evicted = self._evict(over)
+        self._pending_bytes += block
+        return block, evicted
 
     @staticmethod
     def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
@@ -331,20 +465,43 @@ class HostBufferPool:
 # torch.accelerator.empty_host_cache, the pool calls it after dropping cached pinned buffers
 # (clear(), reset(), a request over max_host_bytes); the allocator frees the blocks nothing else
 # holds, once the copies that used them completed.
+#
+# Note: [Nothing that can synchronize]
+# Freeing pinned memory (cudaFreeHost, also when the last reference to a block above
+# pinned_max_cached_size_mb dies), empty_host_cache and a fresh pinned allocation (cudaHostAlloc)
+# can each wait for the device. None of them runs while the pool's lock is held: a thread
+# taking or giving back a buffer would wait for the device too. The lock only moves buffers and
+# counts bytes; evicted buffers are dropped, and fresh ones allocated, after it is released.
 
 
 def return_pinned_memory() -> bool:
     """Return cached pinned blocks to the OS (see Note: [Returning pinned memory]).
 
     Returns:
-        Whether this torch build could (``torch.accelerator.empty_host_cache`` exists and an
-        accelerator is present).
+        Whether this torch build could (``torch.accelerator.empty_host_cache`` exists, an
+        accelerator is present, and its backend has a host allocator).
     """
     empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
     if empty_host_cache is None or not torch.accelerator.is_available():
         return False
-    empty_host_cache()
+    try:
+        empty_host_cache()
+    except (RuntimeError, NotImplementedError):  # a backend without a caching host allocator
+        return False
     return True
+
+
+def _give_back(evicted: _Evicted) -> None:
+    """Drop evicted buffers and their events, then return pinned memory if any was pinned.
+
+    Never under the pool's lock: see Note: [Nothing that can synchronize].
+    """
+    if not evicted:
+        return
+    pinned = any(pin for _, _, pin in evicted)
+    evicted.clear()  # the last references: the buffers and events go here
+    if pinned:
+        return_pinned_memory()
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:

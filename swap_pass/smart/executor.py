@@ -43,7 +43,7 @@ from swap_pass.runtime.swap_tensors import (
     SwapTensors,
     is_valid_for_swap,
 )
-from swap_pass.smart.bandwidth import measure_copy_bandwidth
+from swap_pass.smart.bandwidth import CopyClock, measure_copy_bandwidth
 from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import (
@@ -51,7 +51,6 @@ from swap_pass.smart.profiler import (
     SavedRecord,
     StorageLife,
     feature_key,
-    now,
     op_name,
     state_key,
 )
@@ -118,7 +117,7 @@ class SmartExecutor:
         self.step_mode, self.policy = mode, policy
         self.report = StepReport(keys=[], signature=0, mode=mode)
         self.tick = 0
-        self._t_transfer = 0.0
+        self._clock = CopyClock()  # the step's copy time: see Note: [Timing on the device]
         self._n_storages = 0
         self._inflight: list[Slot] = []  # swap_to_host issued, wait_d2h not yet
         self._units: list[MicroBatch] = []  # this step's micro-batches, oldest first
@@ -178,10 +177,8 @@ class SmartExecutor:
                         or slot.aliases[0].untyped_storage().nbytes() < floor
                         or not slot.releasable()):
                     continue
-                t0 = now()
-                group = self._swap_out(slot)
-                group.wait_d2h()
-                self._t_transfer += now() - t0
+                group = self._timed(lambda s=slot: _waited(self._swap_out(s)),
+                                    slot.aliases[0].device, to_host=True)
                 profile = unit.profile
                 if profile is not None and profile.storages[slot.ordinal].released is None:
                     profile.storages[slot.ordinal].released = self.tick
@@ -192,10 +189,14 @@ class SmartExecutor:
         self._complete_inflight()
         rep = self.report
         self._close_unit()
+        # A planned step (the steady state) counts the copies finished by now, waiting for none.
+        transfer_s = None
         for unit in rep.units:  # step time and copy time shared evenly by the micro-batches
             if unit.profile is not None:
+                if transfer_s is None:
+                    transfer_s = self._clock.seconds(wait=self.step_mode != ExecMode.PLANNED)
                 unit.profile.step_s = step_s / rep.micro_batches
-                unit.profile.transfer_s = self._t_transfer / rep.micro_batches
+                unit.profile.transfer_s = transfer_s / rep.micro_batches
         first = rep.units[0]
         rep.keys, rep.profile = first.keys, first.profile
         rep.signature = hash(tuple(rep.keys))
@@ -442,7 +443,11 @@ class SmartExecutor:
         self._mark_off(slot)
         if not slot.swap:
             return
-        t0 = now()
+        self._timed(lambda: self._start_release(slot), slot.aliases[0].device, to_host=True)
+        slot.order = len(self.unit.released)
+        self.unit.released.append(weakref.ref(slot))
+
+    def _start_release(self, slot: Slot) -> None:
         group = self._swap_out(slot)
         slot.issued, slot.due = self.unit.group, self._due()
         if (slot.due > self.unit.group
@@ -450,9 +455,6 @@ class SmartExecutor:
             self._inflight.append(slot)  # see Note: [Waiting for a copy a logical layer later]
         else:
             group.wait_d2h()
-        self._t_transfer += now() - t0
-        slot.order = len(self.unit.released)
-        self.unit.released.append(weakref.ref(slot))
 
     def _swap_out(self, slot: Slot) -> SwapTensors:
         """Start ``slot``'s device-to-host copy in a group of its own, counted in the report."""
@@ -532,7 +534,7 @@ class SmartExecutor:
         if slot is not None and slot.group is not None:
             if slot.group.stat != DEVICE:
                 self.report.sync_restores += slot.group.stat != H2D
-                self._timed(slot.group.restore)
+                self._timed(slot.group.restore, slot.group.device)
             slot.group.assert_on_device("SmartSwap.unpack")
         check_version(handle)
         if handle.unit.profile is not None:
@@ -554,7 +556,7 @@ class SmartExecutor:
         """
         slot = handle.slot
         if slot is not None and slot.group is not None and slot.group.stat != DEVICE:
-            self._timed(slot.group.restore)
+            self._timed(slot.group.restore, slot.group.device)
             slot.group.assert_on_device("SmartSwap.unpack")
         check_version(handle)
         return handle.tensor
@@ -588,9 +590,15 @@ class SmartExecutor:
         for ref in targets:
             target = ref() if ref is not None else None
             if target is not None and target.group is not None and target.group.stat == HOST:
-                self._timed(target.group.swap_to_device)
+                self._timed(target.group.swap_to_device, target.group.device)
 
-    def _timed(self, fn) -> None:
-        t0 = now()
-        fn()
-        self._t_transfer += now() - t0
+    def _timed(self, fn, device: torch.device, *, to_host: bool = False):
+        """``fn()``, its copies counted in the step's copy time (Note: [Timing on the device])."""
+        return self._clock.time_copies(fn, device, to_host=to_host,
+                                       use_streams=self.swap_config.use_streams)
+
+
+def _waited(group: SwapTensors) -> SwapTensors:
+    """``group`` once its device-to-host copy was waited for (its storages freed)."""
+    group.wait_d2h()
+    return group

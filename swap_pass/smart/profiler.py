@@ -184,7 +184,9 @@ class DetailedProfile:
         backward_tick: Tick of the first unpack (start of backward), or None.
         end_tick: Last tick of the step.
         step_s: Wall time of the step (``step()`` to ``step()``), seconds.
-        transfer_s: Seconds the executor spent in synchronous copies during the step.
+        transfer_s: Seconds the executor's copies took during the step: the host time of the
+            calls on CPU (synchronous copies), the copies' own time on their side streams on an
+            accelerator (timing events; see Note: [Timing on the device] in ``bandwidth.py``).
     """
 
     records: list[SavedRecord] = dataclasses.field(default_factory=list)
@@ -205,7 +207,7 @@ class DetailedProfile:
         return sum(s.nbytes for s in self.storages)
 
     def compute_s(self) -> float:
-        """Step time without the executor's synchronous copies (never below 10% of the step)."""
+        """Step time without the executor's copies (never below 10% of the step)."""
         return max(self.step_s - self.transfer_s, 0.1 * self.step_s)
 
     def __repr__(self) -> str:  # one line; the records are in the attributes

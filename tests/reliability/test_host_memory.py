@@ -14,6 +14,7 @@ import pytest
 import swap_pass
 from swap_pass import HostMemoryError, SwapConfig, enable_swap_layer_input
 from swap_pass.runtime import host_pool
+from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 from tests.eager.helpers import assert_clean, assert_exact, batch, train_step
 from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair, sgd
 
@@ -114,3 +115,23 @@ def test_keep_on_device_warns_once_keeps_overflow_and_is_exact(recompute):
     stats = swap_pass.swap_stats()
     assert stats.swap_outs == stats.swap_ins == steps * (SWAPPED_LAYERS - 1)
     assert stats.peak_host_bytes_in_use == 2 * BIG <= CAP
+
+
+# --- pinned blocks (an accelerator only) -----------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_ACCELERATOR, reason=NO_ACCELERATOR_REASON)
+def test_the_cap_bounds_pinned_blocks_while_training():
+    """Layer inputs of 3,072 bytes pin 4,096-byte blocks (Note: [Pinned block bytes] in
+    ``runtime/host_pool.py``): a cap the bytes of three inputs fit (9,300) holds two blocks, so
+    the third input stays on the device and the pinned peak stays under the cap."""
+    ref, model = (m.to(ACCELERATOR) for m in model_pair(recompute=False))
+    enable_swap_layer_input(model, config=SwapConfig(max_host_bytes=9300,
+                                                     on_host_exhausted="keep_on_device"))
+    b = tuple(t.to(ACCELERATOR) for t in batch(CFG, b=3))
+    with pytest.warns(RuntimeWarning, match="keep_on_device"):
+        resident = _probed_step(ref, model, b)
+    assert resident == [0, 0, input_bytes(3, 8), input_bytes(3, 8)]
+    stats = swap_pass.swap_stats()
+    assert stats.kept_on_device == 1 and stats.peak_host_bytes_in_use == 2 * 4096
+    assert_clean()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ import swap_pass
 from swap_pass import HostMemoryError, SwapConfig, SwapTensors
 from swap_pass._version_check import check_torch_version
 from swap_pass.runtime import host_pool, preflight
+from swap_pass.runtime.host_pool import block_bytes
+from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 
 
 def test_preflight_error_names_both_numbers() -> None:
@@ -113,3 +117,129 @@ def test_a_buffer_taken_like_a_tensor_has_its_shape_and_keeps_it() -> None:
     assert pool.bytes_in_use == 24 and pool.bytes_reserved == 24
     pool.release(flat)
     assert pool.bytes_in_use == 0
+
+
+# --- block bytes: what the host allocator sets aside (Note: [Pinned block bytes]) ------------
+
+MIB = 1 << 20
+# Layer inputs of a Llama-3-8B-sized model (hidden 4096, bf16, batch 1) at a few sequence
+# lengths: requested bytes, and the pinned block the caching host allocator rounds them up to.
+LAYER_INPUTS = [(seq, seq * 4096 * 2) for seq in (1000, 2048, 3000, 4096, 6144)]
+PINNED_BLOCKS = [8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 64 * MIB]
+
+
+def test_pinned_blocks_round_up_to_a_power_of_two() -> None:
+    assert [block_bytes(n, pinned=True) for _, n in LAYER_INPUTS] == PINNED_BLOCKS
+    assert [block_bytes(n, pinned=False) for _, n in LAYER_INPUTS] == [
+        n for _, n in LAYER_INPUTS]  # pageable memory: malloc, counted as asked
+    assert block_bytes(96 * MIB, pinned=True) == 128 * MIB
+    assert [block_bytes(n, pinned=True) for n in (0, 1, 2, 3)] == [0, 1, 2, 4]
+
+
+@pytest.mark.parametrize("setting", ["pinned_max_round_threshold_mb:16",
+                                     "pinned_max_cached_size_mb:16"])
+def test_pinned_blocks_above_the_allocator_limits_are_not_rounded(monkeypatch, setting) -> None:
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", f"expandable_segments:False,{setting}")
+    assert [block_bytes(n, pinned=True) for _, n in LAYER_INPUTS] == [
+        8 * MIB, 16 * MIB, 3000 * 4096 * 2, 32 * MIB, 6144 * 4096 * 2]
+
+
+# --- the cap evicts as little as it can, outside the lock ------------------------------------
+
+
+def _cache(pool, *sizes: int) -> None:
+    """Leave one cached (released) pageable buffer of each size in ``pool``."""
+    bufs = [pool.acquire(n, pin=False) for n in sizes]
+    for buf in bufs:
+        pool.release(buf)
+
+
+def test_the_cap_evicts_only_what_a_request_needs() -> None:
+    pool = host_pool()
+    pool.clear()
+    _cache(pool, 300, 200, 100)
+    allocations = swap_pass.swap_stats().host_allocations
+    buf = pool.acquire(500, pin=False, max_host_bytes=1000)  # 100 over: the 100-byte one goes
+    assert pool.bytes_reserved == 1000 and pool.bytes_in_use == 500
+    kept = [pool.acquire(n, pin=False, max_host_bytes=1000) for n in (300, 200)]  # still cached
+    assert swap_pass.swap_stats().host_allocations == allocations + 1
+    for b in [buf, *kept]:
+        pool.release(b)
+
+
+def test_the_cap_evicts_one_buffer_if_one_will_do_else_the_largest_first() -> None:
+    pool = host_pool()
+    pool.clear()
+    _cache(pool, 300, 200, 100)
+    buf = pool.acquire(850, pin=False, max_host_bytes=1200)  # 250 over: the 300 frees it alone
+    assert pool.bytes_reserved == 1150
+    pool.release(buf)
+    pool.clear()
+    _cache(pool, 150, 150, 100)
+    buf = pool.acquire(700, pin=False, max_host_bytes=800)  # 300 over: both 150s, not the 100
+    assert pool.bytes_reserved == 800
+    again = pool.acquire(100, pin=False, max_host_bytes=800)
+    assert pool.bytes_reserved == 800  # the 100-byte buffer had stayed cached
+    pool.release(buf)
+    pool.release(again)
+
+
+def test_a_request_the_cap_refuses_evicts_nothing() -> None:
+    pool = host_pool()
+    pool.clear()
+    held = pool.acquire(600, pin=False)
+    _cache(pool, 300)
+    with pytest.raises(HostMemoryError, match="500 bytes needed, 400 bytes available"):
+        pool.acquire(500, pin=False, max_host_bytes=1000)
+    assert pool.bytes_reserved == 900  # the cached 300 bytes stayed for a request that fits
+    pool.release(held)
+
+
+@pytest.mark.parametrize("how", ["cap", "clear"])
+def test_evicted_buffers_die_outside_the_pool_lock(how) -> None:
+    """Freeing a pinned block can wait for the device: no thread may wait for it holding the
+    pool's lock (see Note: [Nothing that can synchronize] in ``host_pool.py``)."""
+    pool = host_pool()
+    pool.clear()
+    died_locked = []
+    buf = pool.acquire(300, pin=False)
+    weakref.finalize(buf, lambda: died_locked.append(pool._lock.locked()))
+    pool.release(buf)
+    del buf
+    if how == "cap":
+        pool.release(pool.acquire(800, pin=False, max_host_bytes=1000))
+    else:
+        pool.clear()
+    assert died_locked == [False]
+
+
+# --- pinned buffers (an accelerator only) ----------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_ACCELERATOR, reason=NO_ACCELERATOR_REASON)
+def test_pinned_buffers_count_their_block_and_reset_returns_them() -> None:
+    pool = host_pool()
+    pool.clear()
+    pinned_before = _pinned_by_the_allocator()
+    nbytes = 3000 * 4096 * 2  # a 3000-token layer input: a 32 MiB pinned block
+    buf = pool.acquire(nbytes, pin=True)
+    assert buf.is_pinned() and buf.nbytes == nbytes
+    stats = swap_pass.swap_stats()
+    assert stats.host_bytes_in_use == stats.host_bytes_reserved == 32 * MIB
+    with pytest.raises(HostMemoryError, match=f"{32 * MIB} bytes needed"):
+        pool.acquire(nbytes, pin=True, max_host_bytes=48 * MIB)  # 64 MiB pinned: over the cap
+    pool.release(buf)
+    del buf
+    swap_pass.reset()
+    assert swap_pass.swap_stats().host_bytes_reserved == 0
+    assert _pinned_by_the_allocator() == pinned_before  # nothing of ours is still pinned
+
+
+def _pinned_by_the_allocator() -> int | None:
+    """Bytes the CUDA caching host allocator holds once idle blocks are returned (None
+    elsewhere: no device-generic count)."""
+    torch.accelerator.synchronize()
+    torch.accelerator.empty_host_cache()
+    if ACCELERATOR != "cuda":
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
