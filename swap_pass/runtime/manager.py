@@ -26,7 +26,8 @@ from typing import ClassVar
 import torch
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.runtime.host_pool import preflight
+from swap_pass.runtime.device import is_async_device
+from swap_pass.runtime.host_pool import block_bytes, preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
 from swap_pass.runtime.subclasses import claim_not_plain
 from swap_pass.runtime.swap_tensors import (
@@ -278,8 +279,10 @@ class SwapLayerInputManager:
         group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
                             name=name or self.name, copy_span=copy_span, checked=copy_span,
                             compute_stream=compute_stream)
-        if self.layer_idx == 0:
-            self.preflight_for(group.host_nbytes)
+        if self.layer_idx == 0:  # in the bytes the host allocator sets aside (pinned: rounded)
+            pinned = (self.config.pin_memory and group.device is not None
+                      and is_async_device(group.device))
+            self.preflight_for(block_bytes(group.host_nbytes, pinned))
         self.batch_stack.append(group)
         group.swap_to_host()
         copying = self._copying.get(self.module_tag)
