@@ -20,11 +20,12 @@
 #                       real, each side-stream copy from pinned memory,
 #                       pinned bytes after reset() -> pytest-races.txt, races-junit.xml, pinned.txt
 #   sanitizer     30 s  one eager step under TORCH_CUDA_SANITIZER=1 that must swap (swap_outs > 0).
-#                       Under the sanitizer torch.compile runs the model eagerly, so no compiled swap
-#                       op would execute there, and the sanitizer does not check a free against a
-#                       pending side-stream read: the races stage covers both
+#                       Under the sanitizer torch.compile runs the model eagerly, so no compiled
+#                       swap op would execute there, and the sanitizer does not check a free
+#                       against a pending side-stream read: the races stage covers both
 #                       -> pytest-sanitizer.txt, sanitizer-junit.xml
-#   expandable    30 s  three eager races again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#   expandable    30 s  three eager races again with
+#                       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                       -> pytest-expandable.txt, expandable-junit.xml
 #   accelerator   60 s  pytest -m accelerator over the rest of the suite; the compiled forward's
 #                       peak allocated and reserved -> pytest-accelerator.txt,
@@ -33,9 +34,9 @@
 #                       memory, no swap / full recompute / recompute + swap); each probe's line is
 #                       in capacity.txt as it runs -> capacity.txt, capacity.json
 #
-# Each stage appends one line to stages.jsonl (name, limit, seconds, exit status, files) and to
-# summary.txt. Exit status: the number of stages that did not pass (a pytest stage without pytest
-# counts as not passed).
+# Each stage appends one line to stages.jsonl (name, limit, seconds, exit status, when it
+# finished, the files it wrote) and to summary.txt. Exit status: the number of stages that did
+# not pass (a pytest stage without pytest counts as not passed).
 #
 #   scripts/gpu_check.sh [WHEEL_DIR]     outputs under $OUT, else ./gpu_check_out
 #   scripts/gpu_check.sh --limits        the stages and their limits, then the total
@@ -62,7 +63,10 @@ STAGES=(headline=150 setup=15 races=110 sanitizer=30 expandable=30 accelerator=6
 KILL_GRACE=5  # seconds between SIGTERM and SIGKILL, inside each stage's limit
 RACES=tests/reliability/test_cuda_races.py
 
-limit_of() { local kv; for kv in "${STAGES[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
+limit_of() {
+  local kv
+  for kv in "${STAGES[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done
+}
 
 if [ "${1:-}" = "--limits" ]; then
   total=0
@@ -74,7 +78,8 @@ fi
 if [ "${1:-}" = "--setup" ]; then  # the setup stage, run under its limit: --setup OUT WHEELS
   python3 - > "$2/env.txt" 2>&1 <<'PY'
 import os, platform, torch
-print("torch", torch.__version__, "| python", platform.python_version(), "|", os.cpu_count(), "CPU cores")
+print("torch", torch.__version__, "| python", platform.python_version(), "|", os.cpu_count(),
+      "CPU cores")
 acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 print("accelerator:", acc.type if acc is not None else "cpu")
 if acc is not None:
@@ -87,8 +92,8 @@ for name in ("transformers", "pytest"):
 PY
   if grep -q '^pytest: missing' "$2/env.txt" && [ -n "$3" ]; then
     python3 -m pip install --no-index --find-links "$3" pytest pytest-timeout hypothesis &&
-      sed -i "s/^pytest: missing/pytest: $(python3 -c 'import pytest; print(pytest.__version__)')/" \
-        "$2/env.txt"
+      version=$(python3 -c 'import pytest; print(pytest.__version__)') &&
+      sed -i "s/^pytest: missing/pytest: $version/" "$2/env.txt"
   fi
   exit 0
 fi
@@ -105,11 +110,16 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 record() {  # name, limit, exit status ("" when not run), seconds, files it writes
   local status=passed files="" f
-  case "$3" in 0) ;; "") status="not run" ;; 124|137) status="time limit" ;; *) status=failed ;; esac
+  case "$3" in
+    0) ;; "") status="not run" ;; 124|137) status="time limit" ;; *) status=failed ;;
+  esac
   [ "$status" = passed ] || failed=$((failed + 1))
   for f in $5; do [ -e "$OUT/$f" ] && files="$files${files:+, }\"$f\""; done
-  printf '{"stage": "%s", "limit_s": %s, "seconds": %s, "exit": %s, "status": "%s", "files": [%s]}\n' \
-    "$1" "$2" "$4" "${3:-null}" "$status" "$files" >> "$OUT/stages.jsonl"
+  local fmt='{"stage": "%s", "limit_s": %s, "seconds": %s, "exit": %s, "status": "%s", '
+  fmt+='"finished": "%s", "files": [%s]}\n'
+  # shellcheck disable=SC2059  # the format is the variable above
+  printf "$fmt" "$1" "$2" "$4" "${3:-null}" "$status" "$(date -u '+%Y-%m-%d %H:%M UTC')" \
+    "$files" >> "$OUT/stages.jsonl"
   summary "$1: $status (exit ${3:-none}, ${4} s of ${2} s)"
 }
 
@@ -161,8 +171,8 @@ pytest_stage sanitizer pytest-sanitizer.txt sanitizer-junit.xml \
 tail -n 3 "$OUT/pytest-sanitizer.txt"
 
 pytest_stage expandable pytest-expandable.txt expandable-junit.xml \
-  env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-  python3 -m pytest -v -p no:cacheprovider -rs "$RACES" -k "eager_exact and (plain or side)" \
+  env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m pytest -v -p no:cacheprovider \
+  -rs "$RACES" -k "(eager_exact and plain) or (per_step and not compute)" \
   --junitxml "$OUT/expandable-junit.xml"
 tail -n 3 "$OUT/pytest-expandable.txt"
 
