@@ -132,8 +132,8 @@ def hf_offload(model: nn.Module, ctx: BenchContext) -> Runner:
     if not isinstance(model, LlamaStyleModel):
         raise MethodSkipped(f"the HF offload row rebuilds swap_pass.models.LlamaStyleModel as HF "
                             f"Llama; the bench model is a {type(model).__name__}")
+    _require_pinned_memory(ctx.device)  # first: no transformers import where it cannot run
     name, kwargs_name = hf_offload_switch(require("transformers", "LlamaForCausalLM"))
-    _require_pinned_memory(ctx.device)
     hf = hf_llama_like(model)
     getattr(hf, name)(**{kwargs_name: {"use_reentrant": False}}, offload=True)
     return Runner(forward=logits_loss(hf), module=hf)

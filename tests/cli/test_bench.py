@@ -433,7 +433,6 @@ def test_help_is_plain_text_and_names_defaults(capsys):
 
 
 def test_hf_offload_row_on_cpu_is_skipped_for_its_pinned_memory():
-    pytest.importorskip("transformers")
     hf = next(m for m in METHODS if m.key == "hf_offload")
     row = run_method(hf, SMALL, BenchContext(CPU))
     assert row.status == "skipped", row
