@@ -54,6 +54,8 @@
 #   GPU_CHECK_CAPACITY_ARGS  more capacity flags (default on an accelerator:
 #                            "--methods no_swap,recompute,eager_swap"; on CPU: "--seq 64
 #                            --search-max 12")
+#   GPU_CHECK_LIMITS         "stage=seconds ..." replacing those stages' limits above (for a
+#                            machine with more or less time; --limits shows the result)
 # Then: PYTHONPATH=. python3 scripts/results_page.py --gpu-check "$OUT" writes the GPU tables of
 # docs/results.md.
 set -uo pipefail
@@ -63,14 +65,22 @@ STAGES=(headline=150 setup=15 races=110 sanitizer=30 expandable=30 accelerator=6
 KILL_GRACE=5  # seconds between SIGTERM and SIGKILL, inside each stage's limit
 RACES=tests/reliability/test_cuda_races.py
 
-limit_of() {
-  local kv
-  for kv in "${STAGES[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done
+limit_of() {  # the last of STAGES and GPU_CHECK_LIMITS that names the stage
+  local kv limit=""
+  # shellcheck disable=SC2206  # GPU_CHECK_LIMITS is a list of name=seconds words
+  for kv in "${STAGES[@]}" ${GPU_CHECK_LIMITS:-}; do
+    [ "${kv%%=*}" = "$1" ] && limit=${kv#*=}
+  done
+  echo "$limit"
 }
 
 if [ "${1:-}" = "--limits" ]; then
   total=0
-  for kv in "${STAGES[@]}"; do echo "${kv%%=*} ${kv#*=}"; total=$((total + ${kv#*=})); done
+  for kv in "${STAGES[@]}"; do
+    limit=$(limit_of "${kv%%=*}")
+    echo "${kv%%=*} $limit"
+    total=$((total + limit))
+  done
   echo "total $total"
   exit 0
 fi
@@ -97,6 +107,15 @@ PY
   fi
   exit 0
 fi
+
+for kv in "${STAGES[@]}"; do
+  limit=$(limit_of "${kv%%=*}")
+  if ! [[ "$limit" =~ ^[0-9]+$ ]] || [ "$limit" -le "$KILL_GRACE" ]; then
+    echo "gpu_check.sh: the ${kv%%=*} stage's limit is '$limit'. It must be a whole number of" \
+      "seconds above $KILL_GRACE (GPU_CHECK_LIMITS='${GPU_CHECK_LIMITS:-}')." >&2
+    exit 99
+  fi
+done
 
 OUT="${OUT:-$PWD/gpu_check_out}"
 WHEELS="${1:-${WHEEL_DIR:-}}"

@@ -23,8 +23,9 @@ ORDER = ["headline", "setup", "races", "sanitizer", "expandable", "accelerator",
 
 
 def _limits() -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_LIMITS"}  # the script's own
     out = subprocess.run(["bash", str(SCRIPT), "--limits"], capture_output=True, text=True,
-                         check=True).stdout.split("\n")
+                         check=True, env=env).stdout.split("\n")
     pairs = [line.split() for line in out if line.strip()]
     limits = {name: int(value) for name, value in pairs[:-1]}
     assert pairs[-1] == ["total", str(sum(limits.values()))], pairs
@@ -130,3 +131,31 @@ def _check_results_page(out: Path, page: Path) -> None:
     assert re.search(r"\| full recompute \| [\d.]+ \| [\d.]+x \| [\d.]+ \| 1\.00x \|", gpu), gpu
     assert "- HF checkpointing + offload: skipped: " in gpu
     assert "virtual cap (CPU)" in gpu
+
+
+@pytest.mark.slow
+def test_a_stage_past_its_limit_is_killed_and_the_next_ones_still_run(tmp_path):
+    """The headline stage gets 3 s (8 s less the kill grace); the bench takes longer on any
+    machine, so it is killed: no JSON, status "time limit", and every later stage still runs and
+    records itself."""
+    out = tmp_path / "out"
+    limits = "headline=8 races=6 sanitizer=6 expandable=6 accelerator=6 capacity=6"
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_LIMITS": limits}
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=MAX_TOTAL_S)
+    stages = _stages(out)
+    assert [s["stage"] for s in stages] == ORDER
+    assert stages[0]["status"] == "time limit" and stages[0]["exit"] in (124, 137), stages[0]
+    assert not (out / "headline.json").exists()
+    assert stages[1]["status"] == "passed" and (out / "env.txt").is_file()
+    not_passed = sum(s["status"] != "passed" for s in stages)
+    assert proc.returncode == not_passed, proc.stdout[-3000:]
+    assert f"gpu_check: {not_passed} stage(s) did not pass" in (out / "summary.txt").read_text()
+
+
+def test_a_limit_within_the_kill_grace_is_refused(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_LIMITS": "races=3"}
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 99 and "the races stage's limit is '3'" in proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before any stage ran

@@ -152,7 +152,7 @@ def test_eager_exact_with_slow_side_streams(slow_side_streams, mode, prefetch):
     _assert_same(expected, got)
     _assert_same(expected, got_other)
     assert swap_pass.swap_stats().peak_device_bytes_released >= TOKENS * HIDDEN * 4
-    _assert_slowed_and_pinned(slow_side_streams, min_copies=2 * STEPS)
+    _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 @pytest.mark.parametrize("slow", ["compute", "side"])
@@ -172,7 +172,7 @@ def test_eager_exact_without_a_per_step_synchronize(slow_side_streams, slow, mon
     _assert_same(expected, got)
     assert swap_pass.swap_stats().swap_outs >= STEPS
     if slow == "side":
-        _assert_slowed_and_pinned(slow_side_streams, min_copies=2 * STEPS)
+        _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 def test_two_devices_interleaved_without_synchronize(slow_side_streams):
@@ -242,7 +242,7 @@ def test_compiled_exact_with_slow_side_streams(slow_side_streams):
     _assert_same(expected, got)
     stats = swap_pass.swap_stats()
     assert stats.swap_outs >= STEPS and stats.swap_ins >= STEPS, stats
-    _assert_slowed_and_pinned(slow_side_streams, min_copies=2 * STEPS)
+    _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 def test_reduce_overhead_compiled_layers_are_exact(slow_side_streams):
