@@ -10,8 +10,8 @@
 #                       offload=True); a row with its reason where transformers or pinned memory
 #                       lacks it): peak, step time against full recompute, D2H/H2D GB/s against a
 #                       plain pinned copy of the same bytes -> headline.json (+ .png), headline.txt
-#   setup         15 s  env.txt (torch, device, transformers, pytest); pytest from WHEEL_DIR when
-#                       it is missing -> env.txt, setup.txt
+#   setup         15 s  env.txt (torch, device, transformers, pytest, hypothesis); pytest from
+#                       WHEEL_DIR when it is missing -> env.txt, setup.txt
 #   races        110 s  tests/reliability/test_cuda_races.py: torch.cuda._sleep queued on the side
 #                       streams before every copy (or on the compute stream before every producer),
 #                       64 MiB layer inputs, several steps with and without a synchronize, a second
@@ -27,7 +27,8 @@
 #   expandable    30 s  three eager races again with
 #                       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                       -> pytest-expandable.txt, expandable-junit.xml
-#   accelerator   60 s  pytest -m accelerator over the rest of the suite; the compiled forward's
+#   accelerator   60 s  pytest -m accelerator over the rest of the suite (without the modules that
+#                       need hypothesis where it is missing); the compiled forward's
 #                       peak allocated and reserved -> pytest-accelerator.txt,
 #                       accelerator-junit.xml, accelerator-peaks.json
 #   capacity      85 s  swap-pass capacity under a REAL device-memory cap (24 GiB, 48 GiB of host
@@ -94,7 +95,7 @@ acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available(
 print("accelerator:", acc.type if acc is not None else "cpu")
 if acc is not None:
     print("device:", torch.get_device_module(acc.type).get_device_name(0))
-for name in ("transformers", "pytest"):
+for name in ("transformers", "pytest", "hypothesis"):
     try:
         print(f"{name}:", __import__(name).__version__)
     except ImportError:
@@ -195,9 +196,13 @@ pytest_stage expandable pytest-expandable.txt expandable-junit.xml \
   --junitxml "$OUT/expandable-junit.xml"
 tail -n 3 "$OUT/pytest-expandable.txt"
 
+ignore=(--ignore "$RACES" --ignore tests/integrations)  # the frameworks are not installed there
+if grep -q '^hypothesis: missing' "$OUT/env.txt"; then  # modules that cannot be collected
+  for f in $(grep -rlE '^(from|import) hypothesis' tests); do ignore+=(--ignore "$f"); done
+fi
 pytest_stage accelerator pytest-accelerator.txt "accelerator-junit.xml accelerator-peaks.json" \
-  env OUT="$OUT" python3 -m pytest -v -p no:cacheprovider -rs -m accelerator \
-  --ignore "$RACES" --ignore tests/integrations --junitxml "$OUT/accelerator-junit.xml"
+  env OUT="$OUT" python3 -m pytest -v -p no:cacheprovider -rs -m accelerator "${ignore[@]}" \
+  --junitxml "$OUT/accelerator-junit.xml"
 tail -n 3 "$OUT/pytest-accelerator.txt"
 
 # --- capacity under a real cap, last ----------------------------------------------------------
