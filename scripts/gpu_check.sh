@@ -206,7 +206,8 @@ pytest_stage accelerator pytest-accelerator.txt "accelerator-junit.xml accelerat
 tail -n 3 "$OUT/pytest-accelerator.txt"
 
 # --- capacity under a real cap, last ----------------------------------------------------------
-if [ "$accelerator" = "cpu" ]; then  # a virtual cap this machine can hold
+# Without an accelerator (or without env.txt to say) a virtual cap this machine can hold.
+if [ "${accelerator:-cpu}" = "cpu" ]; then
   cap=${GPU_CHECK_CAPACITY_CAP:-3MiB} host=${GPU_CHECK_CAPACITY_HOST:-1GiB}
   cap_args=${GPU_CHECK_CAPACITY_ARGS:---seq 64 --search-max 12}
 else
