@@ -20,6 +20,10 @@ smartswap          the same file: SmartSwap's rows
 host-stages        ``python scripts/host_cost.py stages --json PATH`` (``--stages``)
 host-instructions  ``python scripts/host_cost.py instructions --json PATH`` (``--instructions``)
 graph-peaks        ``python scripts/graph_peak.py --json PATH`` (``--graph``)
+gpu-stages         ``scripts/gpu_check.sh``'s ``stages.jsonl`` (``--gpu-stages``)
+gpu-headline       its ``headline.json``: the bench against full recompute (``--gpu-headline``)
+gpu-peaks          its ``accelerator-peaks.json``: compiled forward peaks (``--gpu-peaks``)
+gpu-capacity       its ``capacity.json``: capacity under a real cap (``--gpu-capacity``)
 gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
 gpu-compile        the same, its compile rows (``--gpu-compile``)
 megatron           ``swap-pass bench --megatron --json PATH`` (``--megatron``)
@@ -28,13 +32,15 @@ capacity-batch     ``swap-pass capacity --dim batch --json PATH`` (``--capacity-
 capacity-seq       ``swap-pass capacity --dim seq --json PATH`` (``--capacity-seq``)
 =================  ===========================================================================
 
-``scripts/gpu_check.sh`` writes the last three's files: ``bench-<preset>.json``,
-``bench-<preset>-compile.json`` and ``bench-megatron.json``.
+``--gpu-check DIR`` reads the four ``gpu-*`` files above from the folder ``scripts/gpu_check.sh``
+wrote (its ``$OUT``), those present; a stage that did not finish left none, and its section stays.
 
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
-       [--gpu-bench G.json] [--gpu-compile C.json] [--megatron M.json] [--megatron-cpu M.json]
-       [--capacity-batch B.json] [--capacity-seq S.json]
+       [--gpu-check DIR] [--gpu-stages stages.jsonl] [--gpu-headline H.json]
+       [--gpu-peaks P.json] [--gpu-capacity C.json] [--gpu-bench G.json] [--gpu-compile C.json]
+       [--megatron M.json] [--megatron-cpu M.json] [--capacity-batch B.json]
+       [--capacity-seq S.json]
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from swap_pass.bench.harness import MethodResult
 from swap_pass.bench.report import (
     Section,
     anchor_line,
+    headline_section,
     host_section,
     method_section,
     mib,
@@ -182,11 +189,53 @@ def capacity(data: dict) -> list[str]:
                       body)]
 
 
+def gpu_headline(data: dict) -> list[str]:
+    """The GPU check's first table: each method against full recompute and a plain copy."""
+    rows = [MethodResult(**row) for row in data["rows"]]
+    section = headline_section(rows, data["anchor"])
+    if section is None:
+        return [f"Not measured by `{data['meta']['command']}`: the full recompute row did not "
+                "run."]
+    preset = data["meta"]["preset"]
+    model = preset["model"]
+    lines = [provenance(data["meta"]), "",
+             f"Model: {model['num_layers']} layers, hidden {model['hidden_size']}, batch "
+             f"{preset['batch']}, seq {preset['seq']}, {preset['dtype']}; {preset['timed_steps']} "
+             "timed steps; time: each row's paired step-time ratio over full recompute's.", "",
+             *md_table(section.head, section.body), ""]
+    lines += [f"- {r.label}: {r.status}: {r.reason}" for r in rows if r.status != "ok"]
+    return [*lines, f"- {anchor_line(data['anchor'])}"]
+
+
+def gpu_stages(records: list[dict]) -> list[str]:
+    """The GPU check's stages: limit, time taken, status, the files each wrote."""
+    total = sum(r["limit_s"] for r in records)
+    body = [[r["stage"], f"{r['limit_s']}", f"{r['seconds']}", r["status"],
+             "-" if r["exit"] is None else f"{r['exit']}", ", ".join(r["files"]) or "-"]
+            for r in records]
+    finished = records[-1].get("finished", "?") if records else "?"
+    return [f"Command: `scripts/gpu_check.sh`. Last stage finished {finished}; the stage limits "
+            f"listed add up to {total} s.", "",
+            *md_table(["stage", "limit s", "took s", "status", "exit", "files"], body)]
+
+
+def gpu_peaks(data: dict) -> list[str]:
+    """``tests/graph/test_accelerator.py``'s compiled forward peaks, allocated and reserved."""
+    ref, swap, layer = data["without_swap"], data["with_swap"], data["layer_input_bytes"]
+    body = [[kind, mib(ref[kind]), mib(swap[kind]), f"{(ref[kind] - swap[kind]) / layer:.2f}"]
+            for kind in ("allocated", "reserved")]
+    return [f"{data['test']}: {data['layers']} layers, hidden {data['hidden']}, batch "
+            f"{data['batch']}, seq {data['seq']}, fp32 (`tests/graph/test_accelerator.py`).", "",
+            *md_table(["peak", "without swap MiB", "with swap MiB", "cut in layer inputs"], body)]
+
+
 # section -> (the option naming its JSON file, what makes its lines)
 SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "bench-methods": ("bench", bench_methods), "bench-host": ("bench", bench_host),
     "smartswap": ("bench", smartswap), "host-stages": ("stages", host_stages),
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
+    "gpu-stages": ("gpu-stages", gpu_stages), "gpu-headline": ("gpu-headline", gpu_headline),
+    "gpu-peaks": ("gpu-peaks", gpu_peaks), "gpu-capacity": ("gpu-capacity", capacity),
     "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),
     "megatron": ("megatron", megatron), "megatron-cpu": ("megatron-cpu", megatron),
     "capacity-batch": ("capacity-batch", capacity), "capacity-seq": ("capacity-seq", capacity),
@@ -213,14 +262,39 @@ def regenerate(page: str, files: dict[str, dict]) -> str:
     return page
 
 
+# the files scripts/gpu_check.sh writes under its $OUT, by option
+GPU_CHECK_FILES = {"gpu-stages": "stages.jsonl", "gpu-headline": "headline.json",
+                   "gpu-peaks": "accelerator-peaks.json", "gpu-capacity": "capacity.json"}
+
+
+def load(path: Path) -> dict | list[dict]:
+    """A JSON file, or a JSON-lines file (``.jsonl``) as a list of its records."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
+def gpu_check_files(folder: Path) -> dict[str, Path]:
+    """The ``gpu-*`` options' files found in ``scripts/gpu_check.sh``'s output folder."""
+    if not folder.is_dir():
+        raise SystemExit(f"results_page.py: --gpu-check {folder} is not a folder. It must be the "
+                         "folder scripts/gpu_check.sh wrote ($OUT).")
+    return {o: folder / name for o, name in GPU_CHECK_FILES.items() if (folder / name).is_file()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page", default=str(ROOT / "docs" / "results.md"))
+    parser.add_argument("--gpu-check", type=Path,
+                        help="scripts/gpu_check.sh's output folder: its gpu-* files")
     for option in sorted({option for option, _ in SECTIONS.values()}):
         parser.add_argument(f"--{option}", type=Path, help="its command's JSON file")
     args = parser.parse_args(argv)
     given = {o: getattr(args, o.replace("-", "_")) for o, _ in SECTIONS.values()}
-    files = {o: json.loads(path.read_text()) for o, path in given.items() if path is not None}
+    if args.gpu_check is not None:
+        given.update(gpu_check_files(args.gpu_check))
+    files = {o: load(path) for o, path in given.items() if path is not None}
     if not files:
         options = ", ".join(f"--{o}" for o in dict.fromkeys(o for o, _ in SECTIONS.values()))
         sys.exit(f"results_page.py: give at least one JSON file ({options}).")

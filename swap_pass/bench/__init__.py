@@ -1,7 +1,8 @@
 """``swap-pass bench``: methods side by side on one model, seed and data.
 
 Rows: no swap; full recompute; recompute + swap (eager); compile without and with swap;
-``torch.autograd.graph.save_on_cpu``; SmartSwap at a budget; torchtune's OffloadActivations.
+``torch.autograd.graph.save_on_cpu``; SmartSwap at a budget; torchtune's OffloadActivations;
+Hugging Face's checkpointing with offload on the same model (:mod:`swap_pass.bench.hf_offload`).
 A method whose code is not in this build, or whose peer library is not installed, is a row
 with its reason. See ``docs/usage.md`` ("Measuring") for what each column means.
 """

@@ -77,6 +77,7 @@ class MethodResult:
     h2d_gbs: float | None = None
     memory_ratio: float | None = None
     time_ratio: float | None = None
+    time_vs_recompute: float | None = None
     cpu_ratio: float | None = None
     tokens_ratio: float | None = None
     curve_ms: list[float] = dataclasses.field(default_factory=list, repr=False)
@@ -202,7 +203,8 @@ def _fill(result: MethodResult, trainer: _Trainer, times: _Times, prof: StepProf
 def _measure(result: MethodResult, runner: Runner, model: nn.Module, preset: BenchPreset,
              device: torch.device, seed: int, on_step: Callable[[], None] | None,
              pace: _Trainer | None) -> None:
-    trainer = _Trainer(runner, model, preset, device, seed, on_step)
+    trainer = _Trainer(runner, model if runner.module is None else runner.module, preset, device,
+                       seed, on_step)
     trainer.warm_up()
     times = trainer.timed(pace, runner.pause)
     before = swap_pass.swap_stats()

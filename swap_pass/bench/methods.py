@@ -55,6 +55,9 @@ class Runner:
         close: Undo the method (remove hooks, leave contexts). Default: no-op.
         pause: Context manager under which another model's step runs untouched by the method
             (SmartSwap's hooks are process-wide). Default: ``contextlib.nullcontext``.
+        module: The module that trains when the method builds its own from the bench model
+            (HF's offload row); its parameters are the ones the optimizer steps. Default: ``None``
+            (the bench model).
     """
 
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,6 +65,7 @@ class Runner:
     ready: Callable[[], bool] = lambda: True
     close: Callable[[], None] = lambda: None
     pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    module: nn.Module | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +77,8 @@ class Method:
         label: Row label.
         build: ``(model, ctx) -> Runner``.
         recompute: Whether the model runs each layer under activation checkpointing.
-        reference: Key of the method whose losses this one must reproduce exactly.
+        reference: Key of the method whose losses this one must reproduce exactly; ``""`` for
+            none (no swap itself, and rows that run other model code).
     """
 
     key: str
@@ -153,6 +158,12 @@ def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
     return _with_context(model, lambda: hooks)
 
 
+def _hf_offload(model: nn.Module, ctx: BenchContext) -> Runner:
+    from swap_pass.bench.hf_offload import hf_offload
+
+    return hf_offload(model, ctx)
+
+
 def _smartswap(model: nn.Module, ctx: BenchContext) -> Runner:
     smart_cls = require("swap_pass", "SmartSwap")
     if ctx.smart_budget_bytes is None:
@@ -186,6 +197,7 @@ METHODS: list[Method] = [
     Method("save_on_cpu", "torch save_on_cpu", _save_on_cpu),
     Method("smartswap", "SmartSwap @ budget", _smartswap),
     Method("torchtune", "torchtune OffloadActivations", _torchtune),
+    Method("hf_offload", "HF checkpointing + offload", _hf_offload, reference=""),
 ]
 
 

@@ -10,7 +10,8 @@ import os
 from swap_pass.bench.harness import MethodResult
 from swap_pass.bench.run import BenchReport, load_caveat
 
-__all__ = ["Section", "anchor_line", "format_report", "format_rows", "host_section",
+__all__ = ["Section", "anchor_line", "format_report", "format_rows", "headline_section",
+           "host_section",
            "method_section", "mib", "ms", "plot_memory", "plot_path", "smart_sections", "table",
            "write_json"]
 
@@ -30,7 +31,9 @@ def _gbs(v: float | None) -> str:
 
 def _match(r: MethodResult) -> str:
     if r.losses_match is None:
-        return "(reference)" if not r.reference else "-"
+        if not r.reference:
+            return "(reference)" if r.key == "no_swap" else "not compared"
+        return "-"
     return "exact" if r.losses_match else f"differs {r.max_loss_diff:.1e}"
 
 
@@ -200,6 +203,34 @@ def method_section(rows: list[MethodResult]) -> Section:
     return Section("methods", _HEAD, [_cells(r) for r in rows if r.status == "ok"])
 
 
+_HEADLINE_HEAD = ["method", "peak MiB", "mem", "step ms", "time vs recompute", "D2H GB/s",
+                  "D2H / plain", "H2D GB/s", "H2D / plain", "losses vs ref"]
+
+
+def _of_plain(v: float | None, plain: float | None) -> str:
+    return "-" if v is None or not plain else f"{v / plain:.2f}x"
+
+
+def headline_section(rows: list[MethodResult], anchor: dict) -> Section | None:
+    """Each row that ran against full recompute: peak, step time as a ratio to recompute's, and
+    achieved copy GB/s as a fraction of a plain copy of the same bytes (the anchor); None without
+    a recompute row."""
+    if not any(r.key == "recompute" and r.status == "ok" for r in rows):
+        return None
+    ok = anchor.get("status") == "ok"
+    d2h, h2d = (anchor["d2h_gbs"], anchor["h2d_gbs"]) if ok else (None, None)
+    body = [[r.label, mib(r.peak_bytes), _x(r.memory_ratio), ms(r.step_s), _x(r.time_vs_recompute),
+             _gbs(r.d2h_gbs), _of_plain(r.d2h_gbs, d2h), _gbs(r.h2d_gbs), _of_plain(r.h2d_gbs, h2d),
+             _match(r)] for r in rows if r.status == "ok"]
+    return Section("against full recompute (time) and a plain copy of the same bytes (GB/s)",
+                   _HEADLINE_HEAD, body)
+
+
+def _headline_lines(report: BenchReport) -> list[str]:
+    section = headline_section(report.rows, report.anchor)
+    return [] if section is None else section.lines()
+
+
 def format_report(report: BenchReport) -> str:
     """The whole report as text: header, table, anchor, notes, SmartSwap's extra rows."""
     m, p = report.meta, report.meta["preset"]
@@ -227,6 +258,7 @@ def format_report(report: BenchReport) -> str:
         "D2H/H2D GB/s: achieved by the copies in one profiled step; host MiB: swap_pass's peak "
         "host bytes.",
         anchor_line(report.anchor),
+        *_headline_lines(report),
         *_host_lines(report.host),
         *_extra_lines(report.extra),
     ]

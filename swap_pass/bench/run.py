@@ -86,6 +86,17 @@ def _ratios(rows: list[MethodResult], base: MethodResult | None) -> None:
         elif base is not None and base.status == "ok":
             r.time_ratio = r.step_s / base.step_s
         r.tokens_ratio = 1 / r.time_ratio if r.time_ratio else None
+    _against_recompute(rows)
+
+
+def _against_recompute(rows: list[MethodResult]) -> None:
+    """Each row's time ratio over full recompute's (both against the same no-swap steps)."""
+    rec = next((r for r in rows if r.key == "recompute" and r.status == "ok"), None)
+    if rec is None or not rec.time_ratio:
+        return
+    for r in rows:
+        if r.status == "ok" and r.time_ratio:
+            r.time_vs_recompute = r.time_ratio / rec.time_ratio
 
 
 def spread(row: MethodResult) -> float | None:

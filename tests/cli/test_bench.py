@@ -430,3 +430,30 @@ def test_help_is_plain_text_and_names_defaults(capsys):
         main(["demo", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 64)" in text and "(default: 16)" in text and "(default: 4)" in text
+
+
+def test_hf_offload_row_on_cpu_is_skipped_for_its_pinned_memory():
+    hf = next(m for m in METHODS if m.key == "hf_offload")
+    row = run_method(hf, SMALL, BenchContext(CPU))
+    assert row.status == "skipped", row
+    assert "save_on_cpu(pin_memory=True)" in row.reason and "device cpu" in row.reason
+
+
+def test_the_hf_model_is_the_bench_model_and_trains_its_own_parameters():
+    """HF Llama built from the bench model (checkpointing without offload, which runs on CPU)
+    gives recompute's losses at every step: same weights, and the optimizer steps the HF model."""
+    pytest.importorskip("transformers")
+    from swap_pass.bench.hf_offload import hf_llama_like, logits_loss
+
+    def hf_checkpointed(model, ctx):
+        hf = hf_llama_like(model)
+        hf.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+        return Runner(forward=logits_loss(hf), module=hf)
+
+    preset = SMALL.resized(timed_steps=2, warmup_steps=1)
+    ref = run_method(next(m for m in METHODS if m.key == "recompute"), preset, BenchContext(CPU))
+    row = run_method(Method("hf", "hf", hf_checkpointed, recompute=True), preset,
+                     BenchContext(CPU), on_error=lambda err: (_ for _ in ()).throw(err))
+    assert row.status == "ok" and len(row.losses) == 4, row
+    assert row.losses == ref.losses  # the later steps too: the HF parameters were stepped

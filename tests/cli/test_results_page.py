@@ -155,3 +155,61 @@ def test_the_graph_rows_give_the_cut_in_mib_and_in_layer_inputs(page_tool):
     lines = page_tool.graph_peaks({"rows": [row], "meta": meta})
     assert lines[-1] == ("| layer inputs, checkpointing | 50.00 | 48.00 | 0.960x | 2.00 | 2.00 "
                          "| yes |")
+
+
+GPU_PAGE = "".join(f"<!-- results_page: {name} -->\nold {name}\n<!-- /results_page: {name} -->\n"
+                   for name in ("gpu-stages", "gpu-headline", "gpu-peaks", "gpu-capacity"))
+
+
+def _headline_json() -> dict:
+    rows = [MethodResult("no_swap", "no swap", "ok", step_s=0.1, peak_bytes=40 << 20,
+                         memory_ratio=1.0, time_ratio=1.0, time_vs_recompute=0.75),
+            MethodResult("recompute", "full recompute", "ok", reference="no_swap",
+                         step_s=0.133, peak_bytes=8 << 20, memory_ratio=0.2, time_ratio=1.33,
+                         time_vs_recompute=1.0, losses_match=True, max_loss_diff=0.0),
+            MethodResult("eager_swap", EAGER, "ok", reference="no_swap", step_s=0.14,
+                         peak_bytes=4 << 20, memory_ratio=0.1, time_ratio=1.4,
+                         time_vs_recompute=1.05, losses_match=True, max_loss_diff=0.0,
+                         d2h_gbs=40.0, h2d_gbs=45.0),
+            MethodResult("hf_offload", "HF checkpointing + offload", "ok", step_s=0.2,
+                         peak_bytes=5 << 20, memory_ratio=0.125, time_ratio=2.0,
+                         time_vs_recompute=1.5, d2h_gbs=20.0, h2d_gbs=30.0)]
+    return {"meta": _bench_json()["meta"], "rows": [r.to_json() for r in rows],
+            "anchor": {"status": "ok", "what": "pinned host <-> device copy", "chunks": 7,
+                       "chunk_bytes": 32 << 20, "d2h_gbs": 50.0, "h2d_gbs": 50.0}}
+
+
+def test_the_gpu_check_folder_makes_the_gpu_tables(page_tool, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "headline.json").write_text(json.dumps(_headline_json()))
+    stages = [{"stage": "headline", "limit_s": 150, "seconds": 61, "exit": 0, "status": "passed",
+               "finished": "2026-12-04 10:00 UTC", "files": ["headline.json"]},
+              {"stage": "races", "limit_s": 110, "seconds": 110, "exit": 124,
+               "status": "time limit", "finished": "2026-12-04 10:02 UTC", "files": []}]
+    (out / "stages.jsonl").write_text("".join(json.dumps(s) + "\n" for s in stages))
+    (out / "accelerator-peaks.json").write_text(json.dumps({
+        "test": "compiled forward", "layers": 6, "batch": 4, "seq": 1024, "hidden": 1024,
+        "layer_input_bytes": 16 << 20,
+        "without_swap": {"allocated": 200 << 20, "reserved": 260 << 20},
+        "with_swap": {"allocated": 120 << 20, "reserved": 200 << 20}}))
+    page = tmp_path / "results.md"
+    page.write_text(GPU_PAGE)
+    page_tool.main(["--page", str(page), "--gpu-check", str(out)])
+    lines = page.read_text().splitlines()
+    assert "| races | 110 | 110 | time limit | 124 | - |" in lines
+    assert any(line.startswith("Command: `scripts/gpu_check.sh`. Last stage finished "
+                               "2026-12-04 10:02 UTC; the stage limits listed add up to 260 s.")
+               for line in lines)
+    # time against full recompute; GB/s against the plain pinned copy (50 GB/s both ways)
+    assert (f"| {EAGER} | 4.00 | 0.10x | 140.0 | 1.05x | 40.00 | 0.80x | 45.00 | 0.90x "
+            "| exact |") in lines
+    assert ("| HF checkpointing + offload | 5.00 | 0.12x | 200.0 | 1.50x | 20.00 | 0.40x | 30.00 "
+            "| 0.60x | not compared |") in lines
+    assert "| reserved | 260.00 | 200.00 | 3.75 |" in lines
+    assert "old gpu-capacity" in lines  # no capacity.json: that section stays as it was
+
+
+def test_gpu_check_wants_a_folder(page_tool, tmp_path):
+    with pytest.raises(SystemExit, match="is not a folder"):
+        page_tool.main(["--page", str(tmp_path / "p.md"), "--gpu-check", str(tmp_path / "none")])

@@ -3,7 +3,7 @@
 On CPU they run only under the test shims (megatron-core's RNG tracker and schedules need CUDA):
 the swap_pass, recompute and none rows on a small GPTModel, through Megatron's own
 ``get_forward_backward_func()``. Megatron's fine-grained offloading row needs CUDA streams and
-pinned memory; ``scripts/gpu_check.sh`` runs the full set on a GPU.
+pinned memory; ``swap-pass bench --megatron`` on a GPU runs the full set.
 """
 
 from __future__ import annotations

@@ -2,10 +2,19 @@
 
 Each copy issued on a side stream is preceded by ``torch.cuda._sleep`` on that same stream, so
 a reader that is not ordered after the copy runs first and reads the data the copy has not
-written yet; the compute stream is never slowed (that would hide consumer-side races). Layer
-inputs are 64 MiB, three or more steps run so pooled host buffers are reused, and a second
-stream (and a second device where present) takes part. The last test runs one step of the
-eager, graph and SmartSwap paths under ``TORCH_CUDA_SANITIZER=1`` in a child process.
+written yet; the compute stream is never slowed (that would hide consumer-side races). Every
+side-stream copy must have a pinned host side: a pageable copy blocks the host until the side
+stream drains, which would hide the races the sleeps open. Layer inputs are 64 MiB, three or more
+steps run so pooled host buffers are reused, and a second stream (and a second device where
+present) takes part. The compiled paths (``swap_backend`` with Inductor, and with aot_eager on a
+retained graph; ``compile_layers(mode="reduce-overhead")``) run their swap ops for real under the
+same slowed streams.
+
+The last test runs one eager step under ``TORCH_CUDA_SANITIZER=1`` in a child process and checks
+that it swapped. Only an eager path is worth it there: under the sanitizer ``torch.compile`` runs
+the model eagerly (the sanitizer is a dispatch mode, and Dynamo skips frames while one is
+active), so no compiled swap op executes; and the sanitizer does not check a free against a
+side-stream read still pending, the races the slowed streams above catch.
 
 This file tests CUDA itself: it calls ``torch.cuda`` directly (``_sleep``, streams, the
 sanitizer), which device-generic library code never does. Run by ``scripts/gpu_check.sh``.
@@ -39,16 +48,33 @@ STEPS = 3
 
 @pytest.fixture
 def slow_side_streams(monkeypatch):
-    """Queue a sleep on the side stream before every copy the runtime issues there."""
+    """Queue a sleep on the side stream before every copy the runtime issues there; yields the
+    list of those copies' host sides, each ``(nbytes, is_pinned)``."""
     copy = DeviceStreams.copy
+    side_copies: list[tuple[int, bool]] = []
 
-    def slowed(self, stream, dst, src, pinned=False):
-        if stream is not None and stream != self.compute_stream():
-            with self.use(stream):
+    def slowed(self, stream, dst, src, *args, **kwargs):
+        if stream is not None and stream != torch.cuda.current_stream(self.device):
+            with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
-        copy(self, stream, dst, src, pinned)
+            side_copies.append(_host_side(dst, src))
+        copy(self, stream, dst, src, *args, **kwargs)
 
     monkeypatch.setattr(DeviceStreams, "copy", slowed)
+    yield side_copies
+
+
+def _host_side(dst, src) -> tuple[int, bool]:
+    host = dst if dst.device.type == "cpu" else src
+    nbytes = host.nbytes if isinstance(host, torch.Tensor) else host.nbytes()
+    return nbytes, host.is_pinned()
+
+
+def _assert_slowed_and_pinned(side_copies, min_copies=1):
+    """The side streams were slowed before enough copies, and every one had a pinned host side."""
+    assert len(side_copies) >= min_copies, side_copies
+    pageable = [c for c in side_copies if not c[1]]
+    assert not pageable, f"{len(pageable)} side-stream copies from pageable memory: {pageable[:3]}"
 
 
 class Block(torch.nn.Module):
@@ -76,6 +102,10 @@ class Stack(torch.nn.Module):
         self.alpha = torch.nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x):
+        if self.mode == "checkpointed":  # each layer keeps only its input (full recompute)
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x.pow(2).mean()
         if self.mode == "segment":  # one checkpoint around two swapped layers
             h = checkpoint(lambda t: self.layers[1](self.layers[0](t)), x, use_reentrant=False)
             h = checkpoint(lambda t: self.layers[3](self.layers[2](t)), h, use_reentrant=False)
@@ -96,18 +126,28 @@ def _steps(model, data, stream=None, sync_each_step=True):
         with torch.cuda.stream(stream or torch.cuda.current_stream()):
             loss = model(data[step])
             loss.backward()
-            out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+            out.append((loss.detach().clone(), _grads(model)))
         if sync_each_step:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return out
 
 
+def _grads(model):
+    """Each parameter's gradient, cloned; None for a parameter the step did not use (``alpha``
+    outside its mode)."""
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _equal(a, b) -> bool:
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
 def _assert_same(ref, got):
     for (rl, rg), (gl, gg) in zip(ref, got, strict=True):
         assert torch.equal(rl, gl)
         for a, b in zip(rg, gg, strict=True):
-            assert torch.equal(a, b)
+            assert _equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["segment", "alpha", "identity", "plain"])
@@ -126,6 +166,7 @@ def test_eager_exact_with_slow_side_streams(slow_side_streams, mode, prefetch):
     _assert_same(expected, got)
     _assert_same(expected, got_other)
     assert swap_pass.swap_stats().peak_device_bytes_released >= TOKENS * HIDDEN * 4
+    _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 @pytest.mark.parametrize("slow", ["compute", "side"])
@@ -143,6 +184,9 @@ def test_eager_exact_without_a_per_step_synchronize(slow_side_streams, slow, mon
     with swap_pass.enable_swap_layer_input(model):
         got = _steps(model, data, sync_each_step=False)
     _assert_same(expected, got)
+    assert swap_pass.swap_stats().swap_outs >= STEPS
+    if slow == "side":
+        _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 def test_two_devices_interleaved_without_synchronize(slow_side_streams):
@@ -168,41 +212,76 @@ def test_two_devices_interleaved_without_synchronize(slow_side_streams):
                     loss = models[i](data[i][step])
                     loss.backward()
                     got[i].append((loss.detach().clone(),
-                                   [p.grad.clone() for p in models[i].parameters()]))
+                                   _grads(models[i])))
     for dev in ("cuda:0", "cuda:1"):
         torch.cuda.synchronize(dev)
     for ref, mine in zip(refs, got, strict=True):
         _assert_same(ref, mine)
 
 
-def test_reduce_overhead_compiled_layers_are_exact():
-    """compile_layers(mode="reduce-overhead"): cudagraph-tree outputs cannot be resized; they
-    stay on the device and are counted, and the step matches the same compile without swap."""
-    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+def _compiled_steps(model, data, forward, mark_steps=False):
+    """STEPS steps of ``forward`` with no synchronize between them; losses and gradients."""
+    out = []
+    for step in range(STEPS):
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        loss = forward(data[step])
+        loss.backward()
+        out.append((loss.detach().clone(), _grads(model)))
+    torch.cuda.synchronize()
+    return out
 
-    cfg = LlamaConfig(hidden_size=512, num_layers=3, num_heads=8, intermediate_size=1024,
-                      vocab_size=256, max_seq_len=1024)
+
+def _stack_and_data(mode="plain"):
+    torch.manual_seed(0)
+    model = Stack(mode).cuda()
+    data = [torch.randn(TOKENS, HIDDEN, device="cuda", requires_grad=True) for _ in range(STEPS)]
+    return model, data
+
+
+def test_compiled_exact_with_slow_side_streams(slow_side_streams):
+    """swap_backend's swap_out / prefetch / wait ops run in Inductor's graphs with the side
+    streams slowed, steps back to back: the same losses and gradients as the same compile
+    without swap (aot_eager: the retained-graph test below). The layers are checkpointed, so the
+    graph saves their inputs, which Inductor's partitioner would otherwise not keep."""
+    inner = "inductor"
+    model, data = _stack_and_data("checkpointed")
+    torch._dynamo.reset()
+    expected = _compiled_steps(model, data, torch.compile(model, backend=inner))
+    swap_pass.reset()
+    slow_side_streams.clear()
+    torch._dynamo.reset()
+    got = _compiled_steps(model, data,
+                          torch.compile(model, backend=swap_pass.make_swap_backend(inner)))
+    _assert_same(expected, got)
+    stats = swap_pass.swap_stats()
+    assert stats.swap_outs >= STEPS and stats.swap_ins >= STEPS, stats
+    _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
+
+
+def test_reduce_overhead_compiled_layers_are_exact(slow_side_streams):
+    """compile_layers(mode="reduce-overhead") with the side streams slowed: the steps match the
+    same compile without swap, and what is not swapped is counted (cudagraph-tree outputs cannot
+    be resized). A refusal before the first step, naming the mode, passes too."""
+    model, data = _stack_and_data()
 
     def run(swap):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = LlamaStyleModel(cfg).cuda()
         with swap_pass.compile_layers(model, swap=swap, mode="reduce-overhead"):
-            grads = []
-            for seed in range(STEPS):
-                torch.compiler.cudagraph_mark_step_begin()
-                model.zero_grad(set_to_none=True)
-                model(*make_batch(cfg, 2, 1024, seed=seed, device="cuda")).backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-        torch.cuda.synchronize()
-        return grads
+            return _compiled_steps(model, data, model, mark_steps=True)
 
-    ref = run(False)
-    got = run(True)
-    for a, b in zip(ref, got, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    expected = run(False)
+    swap_pass.reset()
+    try:
+        got = run(True)
+    except (RuntimeError, ValueError) as err:
+        assert "reduce-overhead" in str(err), err
+        return
+    _assert_same(expected, got)
     stats = swap_pass.swap_stats()
     assert stats.swap_outs > 0 or stats.skipped_bytes.get("non_resizable", 0) > 0, stats
+    assert all(pinned for _, pinned in slow_side_streams), slow_side_streams
 
 
 def test_reset_returns_pinned_memory():
@@ -242,59 +321,55 @@ def test_two_devices_share_the_pool(slow_side_streams):
 
 
 def test_retained_graph_compiled_with_slow_side_streams(slow_side_streams):
-    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
-
-    cfg = LlamaConfig(hidden_size=1024, num_layers=3, num_heads=8, intermediate_size=2048,
-                      vocab_size=256, max_seq_len=4096)
+    """A compiled graph kept with retain_graph=True while later steps take the pooled host
+    buffers; its second backward still reads its own data."""
 
     def run(backend):
+        model, data = _stack_and_data()
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = LlamaStyleModel(cfg).cuda()
         compiled = torch.compile(model, backend=backend)
-        ids, labels = make_batch(cfg, 4, 4096, device="cuda")  # 4 x 4096 x 1024 fp32 = 64 MiB
-        loss = compiled(ids, labels)
+        loss = compiled(data[0])
         loss.backward(retain_graph=True)
-        for seed in range(1, STEPS):  # new forwards take the pooled host buffers
-            compiled(*make_batch(cfg, 4, 4096, seed=seed, device="cuda")).backward()
+        for step in range(1, STEPS):  # new forwards take the pooled host buffers
+            compiled(data[step]).backward()
         loss.backward()
         torch.cuda.synchronize()
-        return [p.grad.clone() for p in model.parameters()]
+        return _grads(model)
 
     ref = run("aot_eager")
+    swap_pass.reset()
+    slow_side_streams.clear()
     got = run(swap_pass.make_swap_backend("aot_eager"))
     for a, b in zip(ref, got, strict=True):
-        assert torch.equal(a, b)
+        assert _equal(a, b)
+    _assert_slowed_and_pinned(slow_side_streams, min_copies=STEPS)
 
 
 _SANITIZED_STEP = textwrap.dedent("""
     import torch, swap_pass
+    import torch.cuda._sanitizer as csan
     from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+    assert csan.cuda_sanitizer.enabled, "TORCH_CUDA_SANITIZER=1 did not turn the sanitizer on"
     cfg = LlamaConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=512,
                       vocab_size=128)
     model = LlamaStyleModel(cfg, recompute=True).cuda()
     ids, labels = make_batch(cfg, 2, 128, device="cuda")
-    path = {path!r}
-    if path == "eager":
-        with swap_pass.enable_swap_layer_input(model):
+    with swap_pass.enable_swap_layer_input(model):
+        for _ in range(2):
             model(ids, labels).backward()
-    elif path == "graph":
-        compiled = torch.compile(model, backend=swap_pass.make_swap_backend("aot_eager"))
-        compiled(ids, labels).backward()
-    else:
-        with swap_pass.SmartSwap(model, memory_budget=0.5) as smart:
-            for _ in range(3):
-                model(ids, labels).backward(); smart.step()
     torch.cuda.synchronize()
-    print("ok")
+    print("swap_outs", swap_pass.swap_stats().swap_outs)
 """)
 
 
-@pytest.mark.parametrize("path", ["eager", "graph", "smart"])
-def test_one_step_under_the_cuda_sanitizer(path):
-    """CSAN reports any kernel pair on two streams touching one tensor without an event between."""
+def test_one_eager_step_under_the_cuda_sanitizer():
+    """CSAN reports any kernel pair on two streams touching one tensor without an event between;
+    the step must have swapped for that to mean anything."""
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SANITIZED_STEP.format(path=path)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CSAN" not in proc.stderr, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", _SANITIZED_STEP], env=env, capture_output=True,
+                          text=True, timeout=25)
+    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert "CSAN" not in proc.stderr, tail
+    swap_outs = int(proc.stdout.split("swap_outs")[-1].split()[0])
+    assert swap_outs > 0, tail
