@@ -40,17 +40,29 @@ def stream_model_requested(config) -> bool:
             or os.environ.get(STREAM_MODEL_ENV, "") not in ("", "0"))
 
 
+def _close_active_smartswaps() -> None:
+    """A test that failed inside ``with SmartSwap(...)`` leaves no hooks to the next one
+    (``swap_pass.reset()`` keeps an active SmartSwap working)."""
+    from swap_pass.smart.smart_swap import _active
+
+    for smart in list(_active):
+        smart.close()
+
+
 @pytest.fixture(autouse=True)
 def _clean_runtime(request):
+    _close_active_smartswaps()
     swap_pass.reset()
     if stream_model_requested(request.config) and "no_stream_model" not in request.keywords:
         seed = int(os.environ.get(f"{STREAM_MODEL_ENV}_SEED", "0"))
         with stream_model(seed=seed) as model:
             yield
+            _close_active_smartswaps()
             swap_pass.reset()
         assert not model.hazards, model.hazards
     else:
         yield
+    _close_active_smartswaps()
     swap_pass.reset()
 
 
