@@ -21,7 +21,7 @@ With ``SwapConfig(prefetch=False)`` the backward holds one ``swap_pass.swap_in``
 right before its first reader. Graphs from AOTAutograd keep each node's module stack
 (``nn_module_stack``; ``fwd_nn_module_stack`` on backward nodes), which is how layers are found
 after partitioning. A saved tensor is swapped only if it is a layer boundary, not a graph input,
-not also a user-visible output, and has a dense layout.
+not also a user-visible output, and has static strides when it is not contiguous.
 """
 
 from __future__ import annotations

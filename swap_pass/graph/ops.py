@@ -322,7 +322,10 @@ def _h2d_sides(host: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, tor
 # graph partition captures no graph that has a CPU tensor (the host copies are ones): it logs
 # "skipping cudagraphs due to cpu device" and runs the graph uncaptured. With graph partition
 # (``torch._inductor.config.graph_partition``), ``torch.Tag.cudagraph_unsafe`` (where the torch
-# has it) makes each of these ops a partition boundary, never inside a captured partition.
+# has it) makes each of these ops a partition boundary, never inside a captured partition. Any
+# other capture (``torch.cuda.graph`` around a compiled step, say) is refused when an op runs:
+# swap_out, prefetch and swap_in raise before they take a buffer or allocate, and a wait with a
+# copy pending raises before it orders anything (``_refuse_capture``).
 _UNSAFE_IN_CUDA_GRAPHS = ((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe")
                           else ())
 
@@ -368,8 +371,9 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     buf, last_copy = host_pool().take(_nbytes(src), pin=pin,
                                       max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
     host = _host_view(buf, x)
+    ready = ds.record_event(compute)
     stream = ds.d2h_stream()
-    ds.wait(stream, ds.record_event(compute))
+    ds.wait(stream, ready)
     ds.wait(stream, last_copy)  # the buffer's last copy, if still running
     ds.copy(stream, host if src is x else buf, src, pinned=pin)
     transfer = _Transfer(ds.record_event(stream), x.device, use_streams, compute)
@@ -406,8 +410,9 @@ def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride
     _refuse_capture(api, ds, compute)
     out = _empty_like_original(host, device, size, stride)  # on the compute stream
     dst, src = _h2d_sides(host, out)  # Note: [Contiguous copies]
+    ready = ds.record_event(compute)
     stream = ds.h2d_stream()
-    ds.wait(stream, ds.record_event(compute))
+    ds.wait(stream, ready)
     ds.copy(stream, dst, src, pinned=ds.pin_memory and host.is_pinned())
     transfer = _Transfer(ds.record_event(stream), out.device, use_streams, compute,
                          release=_take_host_buffer(host))
