@@ -475,7 +475,7 @@ def _wait_for(t: torch.Tensor) -> None:
                     transfer.compute)
     with _lock:
         if _transfers.get(t.data_ptr()) is not transfer:
-            return  # its tensor died meanwhile, which ordered the copy
+            return  # taken meanwhile (reset() on another thread), which ordered it
         del _transfers[t.data_ptr()]
     _order_compute_after(transfer)
     if transfer.release is not None:  # a retained graph may read it again; the copy's event
