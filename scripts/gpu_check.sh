@@ -16,8 +16,8 @@
 #                       streams before every copy (or on the compute stream before every producer),
 #                       64 MiB layer inputs, several steps with and without a synchronize, a second
 #                       compute stream, eager and compiled (swap_backend with Inductor, aot_eager
-#                       on a retained graph, compile_layers(mode="reduce-overhead")) paths run for
-#                       real, each side-stream copy from pinned memory,
+#                       on a retained graph) paths run for real, each side-stream copy from pinned
+#                       memory; compile_layers(mode="reduce-overhead") refused with swap,
 #                       pinned bytes after reset() -> pytest-races.txt, races-junit.xml, pinned.txt
 #   sanitizer     30 s  one eager step under TORCH_CUDA_SANITIZER=1 that must swap (swap_outs > 0).
 #                       Under the sanitizer torch.compile runs the model eagerly, so no compiled

@@ -304,6 +304,10 @@ class ModelStream:
     def query(self) -> bool:
         return not self.queue
 
+    def is_capturing(self) -> bool:
+        """Whether the stream reports a graph capture (a test sets :attr:`capturing`)."""
+        return self.capturing
+
     def record(self) -> dict[int, int]:
         """The clock an event recorded now carries (a compute stream ticks first)."""
         if self.is_compute:
@@ -391,9 +395,6 @@ class _ModelStreams(_device.DeviceStreams):
         if stream is None:
             return contextlib.nullcontext()
         return self.model.current(stream)
-
-    def is_capturing(self, stream) -> bool:
-        return bool(getattr(stream, "capturing", False))
 
     def copy(self, stream, dst, src, pinned: bool = False, compute=None) -> None:
         if isinstance(dst, torch.UntypedStorage):  # two storages: every byte

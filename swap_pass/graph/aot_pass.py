@@ -21,7 +21,7 @@ With ``SwapConfig(prefetch=False)`` the backward holds one ``swap_pass.swap_in``
 right before its first reader. Graphs from AOTAutograd keep each node's module stack
 (``nn_module_stack``; ``fwd_nn_module_stack`` on backward nodes), which is how layers are found
 after partitioning. A saved tensor is swapped only if it is a layer boundary, not a graph input,
-not also a user-visible output, and has a dense layout.
+not also a user-visible output, and has static strides when it is not contiguous.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from swap_pass.config import SwapConfig
-from swap_pass.graph import ops  # noqa: F401  (registers torch.ops.swap_pass.*)
+from swap_pass.graph import ops  # registers torch.ops.swap_pass.*
 from swap_pass.graph.boundaries import LayerFilter, find_layers
 from swap_pass.graph.budget import Budget, CostModel, choose_swaps
 
@@ -61,9 +61,9 @@ def _tensor_val(node: fx.Node) -> torch.Tensor | None:
 def _host_val(val: torch.Tensor) -> torch.Tensor:
     mode = getattr(val, "fake_mode", None)
     if mode is None:
-        return torch.empty(val.shape, dtype=val.dtype, device="cpu")
+        return ops.empty_host_like(val)
     with mode:
-        return torch.empty(val.shape, dtype=val.dtype, device="cpu")
+        return ops.empty_host_like(val)
 
 
 def _static(values) -> bool:
@@ -277,7 +277,8 @@ def _rewrite_forward(fw: fx.GraphModule, planned: list[_Planned], config: SwapCo
     for p in planned:
         x = p.node
         with graph.inserting_after(_after_all(graph, [x])):
-            host = graph.call_function(_OPS.swap_out.default, (x, cap, config.use_streams))
+            host = graph.call_function(_OPS.swap_out.default,
+                                       (x, cap, config.use_streams, config.pin_memory))
         _set_val(host, _host_val(x.meta["val"]))
         readers = [u for u in x.users if u is not host and u is not output]
         replace[x] = _insert_wait(graph, host, x,

@@ -280,7 +280,7 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
         config: Runtime knobs: ``max_host_bytes``, ``prefetch``, ``use_streams``,
-            ``min_swap_bytes``. Default: ``SwapConfig()``.
+            ``pin_memory``, ``min_swap_bytes``. Default: ``SwapConfig()``.
         memory_budget: Budget mode: the target peak of the bytes a compiled graph makes
             (activations, temporaries, gradients; not its inputs), as an int number of bytes
             or a float fraction in (0, 1] of the predicted peak without swap. ``None`` keeps

@@ -44,10 +44,12 @@ import torch
 from torch.fx.node import has_side_effect
 
 from swap_pass.runtime import register_reset_hook, stats
-from swap_pass.runtime.device import device_streams
+from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.host_pool import host_pool
+from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.swap_tensors import _bytes_view
 
-__all__ = ["prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
+__all__ = ["empty_host_like", "prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
 
 
 # --- pending transfers ------------------------------------------------------------------------
@@ -63,13 +65,15 @@ __all__ = ["prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
 
 @dataclasses.dataclass
 class _Transfer:
-    """A started copy: its completion event, and the host buffer to release once waited for."""
+    """A started copy: its completion event, the compute stream it started on (Note: [The
+    compute stream of a transfer]), and the host buffer to release once waited for."""
 
     event: object
     device: torch.device
     use_streams: bool
+    compute: torch.Stream | None = None
     release: torch.Tensor | None = None
-    ordered: bool = False  # a compute stream waited on event: Note: [Sources that die unwaited]
+    ordered: bool = False  # compute waited on event: Note: [Sources that die unwaited]
 
 
 _lock = threading.RLock()  # finalizers may run during GC inside a locked section
@@ -175,19 +179,27 @@ def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
 
 
+# Note: [The compute stream of a transfer]
+# The stream a transfer is ordered against is the one current when it started: swap_out's source
+# was made (and is freed) there, prefetch allocates its destination there, and the graph that
+# called the op runs on it. It is kept on the transfer and never looked up again: a finalizer
+# (``_source_died_unwaited``, ``_output_died``) may run while any stream is current (inside the
+# runtime's own side-stream context during a copy, or a user's stream context), and the caching
+# allocator hands a freed block to its allocating stream's next allocation at once.
+
+
 def _order_compute_after(transfer: _Transfer) -> None:
-    """Make the compute stream wait for ``transfer``'s copy (a stream wait, no host sync): its
-    destination may be freed now, and the allocator hands freed memory to the compute stream's
-    next allocation at once."""
+    """Make the transfer's compute stream wait for its copy (a stream wait, no host sync): its
+    source or destination may be freed now (Note: [The compute stream of a transfer])."""
     ds = device_streams(transfer.device, transfer.use_streams)
-    ds.wait(ds.compute_stream(), transfer.event)
+    ds.wait(transfer.compute, transfer.event)
     transfer.ordered = True
 
 
 @register_reset_hook
 def _reset_pending() -> None:
     with _lock:
-        dropped = sum(_host_bytes.values())
+        dropped = list(_host_bytes.values())  # one forget per buffer: each has its block size
         pending = list(_transfers.values())
         held = [(t.release, t.event) for t in pending if t.release is not None]
         released = sum(_released.values())
@@ -196,8 +208,8 @@ def _reset_pending() -> None:
         _released.clear()
     if released:
         stats.record_released(-released)
-    if dropped:
-        host_pool().forget(dropped)
+    for nbytes in dropped:
+        host_pool().forget(nbytes)
     for transfer in pending:  # their outputs may die any time now: see _output_died
         _order_compute_after(transfer)
     for buf, event in held:
@@ -206,6 +218,79 @@ def _reset_pending() -> None:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# --- graph capture ----------------------------------------------------------------------------
+
+
+def _refuse_capture(api: str, ds: DeviceStreams, stream: torch.Stream | None) -> None:
+    """Raise when ``stream`` is capturing a graph (Note: [Never inside a CUDA graph])."""
+    if ds.is_capturing(stream):
+        raise RuntimeError(
+            f"swap_pass.{api}: called while the current stream ({stream}) is capturing a graph "
+            "(torch.cuda.graph, torch.accelerator.Graph, CUDA graphs of mode='reduce-overhead'). "
+            "A swap must never be captured: a replay would copy to and from host memory the pool "
+            "has handed out since. Run swapped graphs uncaptured, e.g. compile with "
+            "mode='default' or mode='max-autotune-no-cudagraphs'.")
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+# Note: [Contiguous copies]
+# A copy between tensors of different layouts is not one transfer: on CUDA, ``copy_`` of a
+# non-contiguous side allocates a full-size device temporary on the current stream (the side
+# stream, whose cached blocks compute never reuses) and copies twice. So every copy of the graph
+# path is contiguous on both sides. A contiguous tensor copies as it is. A strided one (a
+# transposed, permuted, sliced or expanded saved tensor) copies the bytes of its storage it
+# spans (``byte_span``, as the eager runtime does): its host tensor views a buffer of exactly
+# those bytes with the tensor's own strides, and ``prefetch`` restores into
+# ``empty_strided(size, stride)``, whose storage is exactly that span again. Bytes between the
+# elements (a slice's gaps) travel along and are never read.
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Contiguity without guards on symbolic sizes (False when unknown)."""
+    try:
+        from torch._prims_common import is_contiguous_or_false
+    except ImportError:  # older torch: static shapes only
+        return all(isinstance(n, int) for n in t.shape) and t.is_contiguous()
+    return bool(is_contiguous_or_false(t))
+
+
+def empty_host_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor laid out as ``swap_out(x)`` returns it: contiguous when ``x`` is,
+    else with ``x``'s strides (Note: [Contiguous copies])."""
+    if _contiguous(x):
+        return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+
+
+def _span_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of the bytes of ``t``'s storage that ``t`` spans."""
+    lo, hi = byte_span([t])
+    return _bytes_view(t.untyped_storage(), lo, hi - lo)
+
+
+def _host_view(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x``'s host tensor over the pooled bytes ``buf`` (``x``'s span when it is strided)."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype)
+    if x.is_contiguous():
+        return buf.view(x.dtype).view(x.shape)
+    lo, _ = byte_span([x])
+    return buf.view(x.dtype).as_strided(x.shape, x.stride(),
+                                        x.storage_offset() - lo // x.element_size())
+
+
+def _h2d_sides(host: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The destination and source of ``host``'s copy into ``out``: both contiguous when ``host``
+    is laid out as ``swap_out`` returns it. A host tensor from elsewhere (a contiguous copy
+    AOTAutograd made of it, say) copies element by element, correct but not one transfer."""
+    if host.is_contiguous() and out.is_contiguous():
+        return out, host
+    if host.stride() == out.stride():
+        return _span_bytes(out), _span_bytes(host)
+    return out, host
 
 
 # --- swap_out ---------------------------------------------------------------------------------
@@ -217,7 +302,10 @@ def _nbytes(t: torch.Tensor) -> int:
 # graph partition captures no graph that has a CPU tensor (the host copies are ones): it logs
 # "skipping cudagraphs due to cpu device" and runs the graph uncaptured. With graph partition
 # (``torch._inductor.config.graph_partition``), ``torch.Tag.cudagraph_unsafe`` (where the torch
-# has it) makes each of these ops a partition boundary, never inside a captured partition.
+# has it) makes each of these ops a partition boundary, never inside a captured partition. Any
+# other capture (``torch.cuda.graph`` around a compiled step, say) is refused when an op runs:
+# swap_out, prefetch and swap_in raise before they take a buffer or allocate, and a wait with a
+# copy pending raises before it orders anything (``_refuse_capture``).
 _UNSAFE_IN_CUDA_GRAPHS = ((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe")
                           else ())
 
@@ -236,38 +324,51 @@ _UNSAFE_IN_CUDA_GRAPHS = ((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "c
 # makes Inductor give the input its traced stride order, as for a graph output.
 @torch.library.custom_op("swap_pass::swap_out", mutates_args=(),
                          tags=(torch.Tag.needs_fixed_stride_order, *_UNSAFE_IN_CUDA_GRAPHS))
-def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
+def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True,
+             pin_memory: bool = True) -> torch.Tensor:
     """Start copying ``x`` to a pooled host buffer on the device-to-host stream.
 
     Args:
-        x: The activation to move (any strides; the host copy is contiguous).
+        x: The activation to move (any strides: Note: [Contiguous copies]).
         max_host_bytes: ``SwapConfig.max_host_bytes``; ``-1`` for no cap. Default: ``-1``.
         use_streams: Copy on a side stream (accelerators only). Default: ``True``.
+        pin_memory: ``SwapConfig.pin_memory``: a page-locked host buffer (accelerators only).
+            Default: ``True``.
 
     Returns:
-        A contiguous CPU tensor with ``x``'s values once ``wait`` has run on it.
+        A CPU tensor with ``x``'s values once ``wait`` has run on it: contiguous when ``x`` is,
+        else with ``x``'s strides over the bytes ``x`` spans.
+
+    Raises:
+        RuntimeError: The current stream is capturing a graph.
+        HostMemoryError: No host buffer could be had (``max_host_bytes``, allocation).
     """
     ds = device_streams(x.device, use_streams)
-    buf, last_copy = host_pool().take(_nbytes(x), pin=ds.pin_memory,
+    compute = ds.compute_stream()  # Note: [The compute stream of a transfer]
+    _refuse_capture("swap_out", ds, compute)
+    src = x if x.is_contiguous() else _span_bytes(x)
+    pin = pin_memory and ds.pin_memory
+    buf, last_copy = host_pool().take(_nbytes(src), pin=pin,
                                       max_host_bytes=None if max_host_bytes < 0 else max_host_bytes)
-    host = buf.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
-    ready = ds.record_event(ds.compute_stream())
+    host = _host_view(buf, x)
+    ready = ds.record_event(compute)
     stream = ds.d2h_stream()
     ds.wait(stream, ready)
     ds.wait(stream, last_copy)  # the buffer's last copy, if still running
-    ds.copy(stream, host, x, pinned=ds.pin_memory)
-    transfer = _Transfer(ds.record_event(stream), x.device, use_streams)
+    ds.copy(stream, host if src is x else buf, src, pinned=pin)
+    transfer = _Transfer(ds.record_event(stream), x.device, use_streams, compute)
     with _lock:
         _transfers[host.data_ptr()] = transfer
     weakref.finalize(x.untyped_storage(), _source_died_unwaited, transfer)
     _track_host_buffer(buf)
-    stats.record_swap_out(_nbytes(x))
+    stats.record_swap_out(_nbytes(src))
     return host
 
 
 @swap_out.register_fake
-def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True,
+      pin_memory: bool = True) -> torch.Tensor:
+    return empty_host_like(x)
 
 
 # --- prefetch and swap_in ---------------------------------------------------------------------
@@ -283,18 +384,22 @@ def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[in
 
 
 def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
-               use_streams: bool) -> torch.Tensor:
+               use_streams: bool, api: str) -> torch.Tensor:
     ds = device_streams(device, use_streams)
+    compute = ds.compute_stream()  # Note: [The compute stream of a transfer]
+    _refuse_capture(api, ds, compute)
     out = _empty_like_original(host, device, size, stride)  # on the compute stream
-    ready = ds.record_event(ds.compute_stream())
+    dst, src = _h2d_sides(host, out)  # Note: [Contiguous copies]
+    ready = ds.record_event(compute)
     stream = ds.h2d_stream()
     ds.wait(stream, ready)
-    ds.copy(stream, out, host, pinned=ds.pin_memory and host.is_pinned())
-    transfer = _Transfer(ds.record_event(stream), out.device, use_streams, _take_host_buffer(host))
+    ds.copy(stream, dst, src, pinned=ds.pin_memory and host.is_pinned())
+    transfer = _Transfer(ds.record_event(stream), out.device, use_streams, compute,
+                         release=_take_host_buffer(host))
     with _lock:
         _transfers[out.data_ptr()] = transfer
     weakref.finalize(out.untyped_storage(), _output_died, out.data_ptr(), transfer)
-    stats.record_swap_in(_nbytes(host))
+    stats.record_swap_in(_nbytes(src))
     return out
 
 
@@ -309,7 +414,7 @@ def prefetch(host: torch.Tensor, device: torch.device, size: List[int], stride: 
     ``after`` is a tensor computed at the prefetch's planned position, so that no scheduler
     starts the copy (and allocates its destination) before that compute; the op ignores it.
     """
-    return _start_h2d(host, device, size, stride, use_streams)
+    return _start_h2d(host, device, size, stride, use_streams, "prefetch")
 
 
 @prefetch.register_fake
@@ -321,7 +426,7 @@ def _(host, device, size, stride, use_streams=True, after=None):
 def swap_in(host: torch.Tensor, device: torch.device, size: List[int], stride: List[int],
             use_streams: bool = True) -> torch.Tensor:
     """Copy ``host`` back to ``device`` and wait for it: ``prefetch`` and ``wait`` in one."""
-    out = _start_h2d(host, device, size, stride, use_streams)
+    out = _start_h2d(host, device, size, stride, use_streams, "swap_in")
     _wait_for(out)
     return out
 
@@ -343,9 +448,15 @@ _lib.define("wait(Tensor(a) t, Tensor? keepalive=None, Tensor? after=None) -> Te
 def _wait_for(t: torch.Tensor) -> None:
     """Order the compute stream after the copy that produced ``t``; release its host buffer."""
     with _lock:
-        transfer = _transfers.pop(t.data_ptr(), None)
+        transfer = _transfers.get(t.data_ptr())
     if transfer is None:  # already waited for (or a synchronous CPU copy waited by swap_in)
         return
+    _refuse_capture("wait", device_streams(transfer.device, transfer.use_streams),
+                    transfer.compute)
+    with _lock:
+        if _transfers.get(t.data_ptr()) is not transfer:
+            return  # taken meanwhile (reset() on another thread), which ordered it
+        del _transfers[t.data_ptr()]
     _order_compute_after(transfer)
     if transfer.release is not None:  # a retained graph may read it again; the copy's event
         host_pool().release_when_unread(transfer.release, transfer.event)  # goes with it

@@ -8,9 +8,10 @@ Regional compile (as torchtitan and torchtune do it) with swap on the shared run
 The swap protocol runs outside every compiled region: each layer's input is swapped out after the
 layer's forward and back before its backward, exactly as in eager mode, so nothing host-side
 (streams, events, the host pool) sits inside a graph. That is what makes it the way for backends
-that cannot hold the ``swap_pass::*`` ops: torchair's GE graphs on Ascend NPUs (``backend="npu"``)
-and captured graphs (``mode="reduce-overhead"``, CUDA graphs). Layers of one class share their
-compiled code (Dynamo inlines ``nn.Module`` and guards on parameter metadata, not identity).
+that cannot hold the ``swap_pass::*`` ops: torchair's GE graphs on Ascend NPUs (``backend="npu"``).
+CUDA graphs (``mode="reduce-overhead"``) are refused on an accelerator (Note: [No CUDA graphs
+with swap]). Layers of one class share their compiled code (Dynamo inlines ``nn.Module`` and
+guards on parameter metadata, not identity).
 """
 
 from __future__ import annotations
@@ -121,7 +122,15 @@ def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Mod
 # under ``TORCH_LOGS="cudagraphs"`` (torch 2.13: it only counts
 # ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``), so the layers silently run as
 # plain Inductor code. compile_layers warns once when the layers it compiles are on the CPU.
-# Other devices are left alone: an out-of-tree backend may capture graphs of its own.
+
+# Note: [No CUDA graphs with swap]
+# Under cudagraph trees a layer's output is the next layer's input, the tensor the swap frees.
+# In the warm-up runs it is an ordinary storage in the trees' private memory pool: the swap
+# returns its block to that pool and restores it from the normal one, and the trees' own check of
+# their pool (``check_memory_pool``, on by default) then fails the step. After warm-up, outputs
+# of a replay cannot be resized, so none is swapped and the swap saves nothing. compile_layers
+# therefore refuses CUDA graphs with ``swap=True`` when the layers are on an accelerator, before
+# the first step, and names what to use instead; ``swap=False`` keeps them.
 
 
 def _asks_for_cuda_graphs(backend: str | Callable, compile_kwargs: dict[str, Any]) -> bool:
@@ -140,20 +149,42 @@ def _asks_for_cuda_graphs(backend: str | Callable, compile_kwargs: dict[str, Any
     return bool(options.get("triton.cudagraphs"))
 
 
-def _warn_cuda_graphs_on_cpu(found: list[nn.Module], backend: str | Callable,
-                             compile_kwargs: dict[str, Any]) -> None:
+def _layers_device(found: list[nn.Module]) -> torch.device | None:
+    """The device of the layers' first parameter or buffer (None: they hold neither)."""
+    tensor = next((t for layer in found for t in (*layer.parameters(), *layer.buffers())), None)
+    return None if tensor is None else tensor.device
+
+
+def _check_cuda_graphs(found: list[nn.Module], backend: str | Callable,
+                       compile_kwargs: dict[str, Any], swap: bool) -> None:
+    """Warn that CUDA graphs asked for layers on the CPU are not captured (Note: [CUDA graphs
+    only on CUDA]); refuse them with swap on an accelerator (Note: [No CUDA graphs with swap]).
+
+    Raises:
+        ValueError: CUDA graphs are asked for, ``swap`` is on and the layers are not on the CPU.
+    """
     if not _asks_for_cuda_graphs(backend, compile_kwargs):
         return
-    tensor = next((t for layer in found for t in (*layer.parameters(), *layer.buffers())), None)
-    if tensor is None or tensor.device.type != "cpu":
+    device = _layers_device(found)
+    if device is None:
         return
     asked = (f"mode={compile_kwargs['mode']!r}" if compile_kwargs.get("mode") not in
              (None, "default") else "options={'triton.cudagraphs': True}")
+    if device.type != "cpu":
+        if swap:
+            raise ValueError(
+                f"swap_pass.{_API}: {asked} asks Inductor for CUDA graphs, which cannot run with "
+                f"swapped layer inputs (layers on {device}): the graphs keep layer outputs in "
+                "their private memory pool, and a swap would free them and restore them outside "
+                "it. Use mode='default' or mode='max-autotune-no-cudagraphs' to swap, or "
+                "swap=False to keep CUDA graphs without swapping.")
+        return
     warn_once("cuda_graphs_on_cpu", _API, (
         f"swap_pass.{_API}: {asked} asks Inductor for CUDA graphs, which it captures only for "
         "tensors on a CUDA device; these layers are on the CPU, so they run as plain Inductor "
-        "code, without graphs (the swap is the same as with the default mode). Move the model "
-        "to a CUDA device before compiling to capture graphs."), stacklevel=4)
+        "code, without graphs (the swap is the same as with the default mode). With swap on, "
+        "layers on an accelerator refuse CUDA graphs; use mode='default' or "
+        "mode='max-autotune-no-cudagraphs' there."), stacklevel=4)
 
 
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
@@ -171,10 +202,12 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
         swap: Swap each layer's input to host memory between forward and backward (the eager
             protocol of :func:`swap_pass.enable_swap_layer_input`). Default: ``True``.
         config: Runtime knobs for the swap. Default: ``SwapConfig()``.
-        **compile_kwargs: Passed to ``torch.compile`` (``mode="reduce-overhead"``,
-            ``dynamic=...``, ``fullgraph=...``). CUDA graphs (``mode="reduce-overhead"``) are
-            captured only on CUDA devices: layers on the CPU run as plain Inductor code, with a
-            one-time ``RuntimeWarning`` (Note: [CUDA graphs only on CUDA]).
+        **compile_kwargs: Passed to ``torch.compile`` (``mode="max-autotune-no-cudagraphs"``,
+            ``dynamic=...``, ``fullgraph=...``). CUDA graphs (``mode="reduce-overhead"``,
+            ``"max-autotune"``, ``options={"triton.cudagraphs": True}``) are refused with
+            ``swap=True`` on an accelerator (Note: [No CUDA graphs with swap]); layers on the
+            CPU run as plain Inductor code, with a one-time ``RuntimeWarning`` (Note: [CUDA
+            graphs only on CUDA]).
 
     Returns:
         A :class:`CompiledLayers` handle; ``remove()`` or leaving ``with`` restores the model.
@@ -183,11 +216,12 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
         RuntimeError: The layers are already compiled by this function, swap is already enabled
             on the model, the model or a layer was compiled with ``nn.Module.compile()``, or
             ``backend="npu"`` without torch_npu/torchair.
-        ValueError: No repeated blocks were found, or ``layers`` holds something else.
+        ValueError: No repeated blocks were found, ``layers`` holds something else, or CUDA
+            graphs are asked for with ``swap=True`` and the layers are on an accelerator.
     """
     config = check_config(config, _API)
     found = _layers(model, layers)
-    _warn_cuda_graphs_on_cpu(found, backend, compile_kwargs)
+    _check_cuda_graphs(found, backend, compile_kwargs, swap)
     compiler = npu_backend() if backend == "npu" else backend
     saved = []
     for layer in found:

@@ -1,4 +1,5 @@
-"""On an accelerator: the compiled forward's peak memory drops by at least L-2 layer inputs.
+"""On an accelerator: the compiled forward's peak memory drops by at least L-2 layer inputs; the
+graph ops' copies allocate no device temporaries, and CUDA graphs with swap are refused.
 
 The peaks are read twice: bytes allocated (tensors alive) and bytes reserved by the caching
 allocator (what the device gives up, side-stream pools and fragmentation included). Both are
@@ -18,6 +19,7 @@ import torch
 import swap_pass
 from swap_pass import make_swap_backend
 from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.runtime.ownership import byte_span
 
 from ..conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 
@@ -77,3 +79,66 @@ def test_compiled_forward_peak_drops_by_l_minus_2_layer_inputs():
         # not bitwise: an embedding's backward on the GPU adds rows with atomic adds, whose order
         # changes from run to run even without swap
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- what the graph ops need of a real device -------------------------------------------------
+
+OPS = torch.ops.swap_pass
+SIDE = 4096  # a 64 MiB float32 square
+
+
+def _peak_during(fn) -> int:
+    """Bytes allocated on the device above what was there before, at the peak of ``fn()``."""
+    torch.accelerator.synchronize()
+    base = torch.accelerator.memory_allocated()
+    torch.accelerator.reset_peak_memory_stats()
+    fn()
+    torch.accelerator.synchronize()
+    return torch.accelerator.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("kind", ["transposed", "sliced"])
+def test_strided_round_trip_allocates_no_device_temporary(kind):
+    """A copy with a non-contiguous side makes a full-size device temporary (on the side stream
+    for the copy out); the graph ops copy the bytes a strided tensor spans instead."""
+    base = torch.randn(SIDE, SIDE, device=ACCELERATOR)
+    x = base.t() if kind == "transposed" else base[:, : SIDE // 2]
+    keep = x.clone()
+    held = {}
+
+    def out():
+        held["host"] = OPS.wait(OPS.swap_out(x), x)
+
+    def back():
+        held["dev"] = OPS.wait(OPS.prefetch(held["host"], x.device, list(x.shape),
+                                            list(x.stride())), held["host"])
+
+    assert _peak_during(out) < x.numel() * x.element_size() // 4
+    lo, hi = byte_span([x])
+    assert _peak_during(back) <= hi - lo + (1 << 21)  # the restored tensor itself, and no more
+    assert torch.equal(held["dev"], keep) and held["dev"].stride() == x.stride()
+
+
+def test_compile_layers_refuses_cuda_graphs_with_swap():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+                      intermediate_size=128, max_seq_len=64)
+    model = LlamaStyleModel(cfg).to(ACCELERATOR)
+    with pytest.raises(ValueError, match=r"mode='reduce-overhead' asks Inductor for CUDA graphs"):
+        swap_pass.compile_layers(model, mode="reduce-overhead")
+    swap_pass.compile_layers(model, mode="max-autotune-no-cudagraphs").remove()
+
+
+@pytest.mark.skipif(ACCELERATOR != "cuda", reason="captures a CUDA graph")
+def test_swap_out_inside_a_cuda_graph_capture_is_refused():
+    from swap_pass.graph import ops
+
+    x = torch.randn(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    refused = []
+    with torch.cuda.graph(graph):
+        try:
+            OPS.swap_out(x)
+        except RuntimeError as err:  # raised before any work is queued: the capture ends cleanly
+            refused.append(str(err))
+    assert refused and "is capturing a graph" in refused[0], refused
+    assert ops.pending_transfers() == 0 and swap_pass.swap_stats().host_bytes_in_use == 0

@@ -129,3 +129,25 @@ def test_cuda_graph_modes_on_cpu_warn_once_that_no_graph_is_captured(kwargs):
         compile_layers(model, backend="inductor", **kwargs).remove()  # once until reset()
         compile_layers(model, backend="inductor").remove()
         compile_layers(model, backend="aot_eager").remove()
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                                    {"options": {"triton.cudagraphs": True}}])
+def test_cuda_graphs_with_swap_on_an_accelerator_are_refused_before_the_first_step(kwargs,
+                                                                                   monkeypatch):
+    """cudagraph trees keep layer outputs in a private pool, which a swap would free and restore
+    outside (Note: [No CUDA graphs with swap]): refused, naming what to use instead. The layers
+    are made to look as if they sat on a CUDA device; no CPU build can capture a graph."""
+    from swap_pass.graph import regional
+
+    model = tiny_model(L)
+    monkeypatch.setattr(regional, "_layers_device", lambda found: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"swap_pass\.compile_layers: .* asks Inductor for CUDA "
+                                         r"graphs.*cuda:0.*mode='default' or "
+                                         r"mode='max-autotune-no-cudagraphs'.*swap=False"):
+        compile_layers(model, backend="inductor", **kwargs)
+    assert all("forward" not in layer.__dict__ for layer in model.layers)  # left as it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_layers(model, backend="inductor", swap=False, **kwargs).remove()
+        compile_layers(model, backend="inductor", mode="max-autotune-no-cudagraphs").remove()
