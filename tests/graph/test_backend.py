@@ -156,7 +156,8 @@ def test_inductor_checkpointed_bitwise_equal_to_inductor_without_swap(determinis
     model = tiny_model(L, recompute=True)
     ref = twin(model)
     backend = make_swap_backend()  # inductor
-    counter, losses, grads = _train(model, backend)
+    with pytest.warns(RuntimeWarning, match="peak_device_bytes_released is a lower bound"):
+        counter, losses, grads = _train(model, backend)
     _, ref_losses, ref_grads = _train(ref, "inductor")
     assert counter.frame_count == 1
     fw, bw = backend.partitions[-1].forward, backend.partitions[-1].backward
