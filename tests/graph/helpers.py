@@ -111,3 +111,16 @@ def hf_llama_tiny(num_layers: int = 2, seed: int = 0):
                    num_hidden_layers=num_layers,
                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     return LlamaForCausalLM(cfg)
+
+
+# Torch releases whose Inductor fuses a checkpointed recompute differently once prefetches sit in
+# the backward (docs/graph.md, "Inductor on torch 2.14 and later"), and the written bound on the
+# difference: the largest |a - b| of a gradient, over the largest |b| of that gradient.
+PREFETCH_CHANGES_INDUCTOR_FUSION = (
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14))
+PREFETCH_FUSION_RTOL = 1e-6
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| over the largest |b|."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -11,7 +11,16 @@ from swap_pass import SwapConfig, make_swap_backend
 from swap_pass.graph.boundaries import find_layers
 from swap_pass.graph.budget import CostModel
 
-from .helpers import assert_grads_equal, batch, hf_llama_tiny, tiny_model, twin
+from .helpers import (
+    PREFETCH_CHANGES_INDUCTOR_FUSION,
+    PREFETCH_FUSION_RTOL,
+    assert_grads_equal,
+    batch,
+    hf_llama_tiny,
+    rel_diff,
+    tiny_model,
+    twin,
+)
 
 L = 3
 OPS = torch.ops.swap_pass
@@ -210,25 +219,13 @@ def test_hf_llama_under_inductor_bitwise_equal_to_inductor_without_swap(mode, de
     assert swapped and swap_pass.swap_stats().swap_outs == 2 * len(swapped)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)), (
         losses, ref_losses)
-    if checkpoint and _PREFETCH_CHANGES_INDUCTOR_FUSION:
+    if checkpoint and PREFETCH_CHANGES_INDUCTOR_FUSION:
         # docs/graph.md, "Inductor on torch 2.14 and later": the written tolerance, nothing looser
-        far = {name: _rel_diff(grads[name], ref_grads[name]) for name in grads}
+        far = {name: rel_diff(grads[name], ref_grads[name]) for name in grads}
         assert max(far.values()) <= PREFETCH_FUSION_RTOL, far
         return
     differ = [name for name in grads if not torch.equal(grads[name], ref_grads[name])]
     assert not differ, differ
-
-
-# Torch releases whose Inductor fuses a checkpointed recompute differently once prefetches sit in
-# the backward (docs/graph.md, "Inductor on torch 2.14 and later"), and the written bound on the
-# difference: the largest |a - b| of a gradient, over the largest |b| of that gradient.
-_PREFETCH_CHANGES_INDUCTOR_FUSION = (
-    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14))
-PREFETCH_FUSION_RTOL = 1e-6
-
-
-def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def test_unknown_inner_is_an_error():

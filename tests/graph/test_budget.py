@@ -25,7 +25,14 @@ from swap_pass.graph.budget import (
 from swap_pass.runtime.ownership import byte_span
 from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 
-from .helpers import batch, tiny_model, twin
+from .helpers import (
+    PREFETCH_CHANGES_INDUCTOR_FUSION,
+    PREFETCH_FUSION_RTOL,
+    batch,
+    rel_diff,
+    tiny_model,
+    twin,
+)
 
 OPS = torch.ops.swap_pass
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
@@ -280,14 +287,20 @@ def _saves_rng_state(gm: torch.fx.GraphModule) -> bool:
 def test_whole_step_peak_of_hf_llama_under_inductor_falls_by_l_minus_2_layer_inputs(deterministic):
     """HF Llama, 4 checkpointed layers, Inductor: the profiled peak of a whole training step is
     at least L-2 layer inputs lower with swap than the same compile without it, and gradients
-    are bitwise equal. Each prefetch stays behind the compute before its planned position:
+    are bitwise equal (on torch 2.14 and later within ``PREFETCH_FUSION_RTOL``: Inductor fuses
+    the recomputed RoPE differently once prefetches sit in the backward; docs/graph.md, "Inductor
+    on torch 2.14 and later"). Each prefetch stays behind the compute before its planned position:
     hoisted to the top of the backward (Inductor's peak-memory reordering is free to move a node
     that depends only on a graph input), all of them would be on the device at the peak."""
     layers = 4
     backend = make_swap_backend()
     peak, grads = hf_llama_step_peak(backend, layers=layers, checkpoint=True)
     ref_peak, ref_grads = hf_llama_step_peak("inductor", layers=layers, checkpoint=True)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    if PREFETCH_CHANGES_INDUCTOR_FUSION:
+        far = [rel_diff(a, b) for a, b in zip(grads, ref_grads, strict=True)]
+        assert max(far) <= PREFETCH_FUSION_RTOL, far
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
     x_bytes = backend.partitions[-1].swapped[0].nbytes
     assert len(backend.partitions[-1].swapped) == layers - 1
     assert ref_peak - peak >= (layers - 2) * x_bytes, (peak, ref_peak, x_bytes)
