@@ -36,6 +36,7 @@ from swap_pass.graph import (  # noqa: E402
     make_swap_backend,
     swap_backend,
 )
+from swap_pass.opt_out import no_swap  # noqa: E402
 from swap_pass.runtime import (  # noqa: E402
     HostMemoryError,
     SkipReason,
@@ -58,6 +59,8 @@ __all__ = [
     # --- configuration ---
     "OnHostExhausted",
     "SwapConfig",
+    # --- opting out ---
+    "no_swap",
     # --- runtime ---
     "SkipReason",
     "SwapLayerInputManager",

@@ -29,9 +29,10 @@ from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs, swap_within_budget
-from swap_pass.graph.boundaries import LayerFilter
+from swap_pass.graph.boundaries import LayerFilter, with_module_filter
 from swap_pass.graph.budget import Budget, CostModel
 from swap_pass.graph.module_names import name_modules_as_the_model_does
+from swap_pass.opt_out import ModuleFilter, check_module_filter
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 
@@ -264,7 +265,8 @@ def _check_inner(inner: object) -> None:
 
 def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: LayerFilter = None,
                       config: SwapConfig | None = None, memory_budget: int | float | None = None,
-                      cost_model: CostModel | None = None) -> Callable:
+                      cost_model: CostModel | None = None,
+                      module_filter_fn: ModuleFilter = None) -> Callable:
     """Build a Dynamo backend that swaps tensors saved for backward to host memory.
 
     Two policies: by default (layer-input mode) the saved input of every layer but the last
@@ -287,6 +289,9 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             layer-input mode. Default: ``None``.
         cost_model: Budget mode: copy bandwidth and FLOP rate; what it leaves ``None`` is
             measured on the graph's device. Default: ``CostModel()``.
+        module_filter_fn: Layer-input mode: ``(module, fqn) -> bool``; layers it returns False
+            for keep their input. Compiled graphs keep only module names, so ``module`` is
+            ``None``: filter on ``fqn``. Default: ``None`` (all layers).
 
     Returns:
         A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
@@ -300,6 +305,8 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
 
     _check_inner(inner)
     config = check_config(config, "make_swap_backend")
+    check_module_filter(module_filter_fn, "make_swap_backend")
+    layer_filter = with_module_filter(layer_filter, module_filter_fn)
     record: collections.deque[Partition] = collections.deque(maxlen=16)
     budget = None if memory_budget is None else Budget(memory_budget)
     cost = cost_model or CostModel()

@@ -37,6 +37,11 @@ class SkipReason(str, enum.Enum):
         CUSTOM_CHECK: The user's ``custom_check_fn`` said no.
         DYNAMIC_SHAPE: A compiled graph's candidate whose size is not known when planning.
         NO_LAYERS: A model or graph in which no layer boundary was found.
+        NO_SWAP: Offered inside :func:`swap_pass.no_swap`, the user's opt-out.
+        MODULE_FILTER: Saved inside a module the user's ``module_filter_fn`` left out.
+        OFFLOAD_FALLBACK: A ``PREFER_CPU_OFFLOAD`` tag that could not be honoured (an op that
+            returns no tensor, or the backend's saved value is not the tagged node's output):
+            the tensor stays saved on the device.
     """
 
     USER_DATA = "user_data"
@@ -49,11 +54,15 @@ class SkipReason(str, enum.Enum):
     CUSTOM_CHECK = "custom_check"
     DYNAMIC_SHAPE = "dynamic_shape"
     NO_LAYERS = "no_layers"
+    NO_SWAP = "no_swap"
+    MODULE_FILTER = "module_filter"
+    OFFLOAD_FALLBACK = "offload_fallback"
 
 
 # Reasons that are the user's own choice or the rule working as intended warn nowhere: their
 # counters are enough. The others cost the user a saving they asked for.
-_QUIET = frozenset({SkipReason.USER_DATA, SkipReason.TOO_SMALL, SkipReason.CUSTOM_CHECK})
+_QUIET = frozenset({SkipReason.USER_DATA, SkipReason.TOO_SMALL, SkipReason.CUSTOM_CHECK,
+                    SkipReason.NO_SWAP, SkipReason.MODULE_FILTER})
 
 _warned_lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()
