@@ -50,6 +50,9 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
+# --- selective activation checkpointing ---
+from swap_pass.sac import selective_checkpoint_contexts  # noqa: E402
+
 # --- adaptive (SmartSwap) ---
 from swap_pass.smart import SmartSwap, SmartSwapConfig  # noqa: E402
 
@@ -82,6 +85,8 @@ __all__ = [
     "find_layer_boundaries",
     "make_swap_backend",
     "swap_backend",
+    # --- selective activation checkpointing ---
+    "selective_checkpoint_contexts",
     # --- adaptive (SmartSwap) ---
     "SmartSwap",
     "SmartSwapConfig",
