@@ -264,10 +264,21 @@ class _TaggingPolicy:
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy_fn(ctx, func, *args, **kwargs)
-        if policy in self.offload and not _ckpt._is_compiling(func, args, kwargs):
+        if policy in self.offload and not _traced(ctx, func, args, kwargs):
             self.offered = (func, policy)
             return _ckpt.CheckpointPolicy.MUST_SAVE
         return policy  # under compile the tag reaches the graph as it is
+
+
+def _traced(ctx: Any, func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op runs under tracing: AOTAutograd's (a proxy mode), or Dynamo's fake run of
+    the checkpointed body (fake outputs), where torch's own handling of the tags applies."""
+    if _ckpt._is_compiling(func, args, kwargs):
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    out = getattr(ctx, "op_output", None)
+    return any(is_fake(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 class _OffloadCaching(_ckpt._CachingTorchDispatchMode):
