@@ -136,7 +136,7 @@ class _Region:
             self.abort()
             raise RuntimeError(
                 f"swap_pass.{_API}: the output of {func} is tagged MUST_CPU_OFFLOAD but cannot "
-                f"be swapped ({detail}). A MUST_CPU_OFFLOAD output must be a tensor with a "
+                f"be swapped: it {detail}. A MUST_CPU_OFFLOAD output must be a tensor with a "
                 "storage of its own that nothing outside the checkpointed region holds; tag it "
                 "PREFER_CPU_OFFLOAD to keep it saved on the device when it cannot move, or "
                 "MUST_SAVE."

@@ -149,3 +149,13 @@ def test_inside_no_swap_the_compiled_offloads_stay_on_the_device():
     stats = swap_pass.swap_stats()
     assert stats.swapped_out_bytes == 0 and stats.skipped_bytes["no_swap"] > 0
 
+
+
+def test_inductor_partitions_with_the_tags_too(deterministic):
+    x = _input()
+    plain = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="inductor"), x)
+    backend = swap_pass.make_swap_backend("inductor")
+    got = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend=backend), x)
+    _assert_exact(plain, got)
+    assert TAGGED <= {s.name for p in backend.partitions for s in p.swapped}
+    assert swap_pass.swap_stats().swapped_out_bytes >= BLOCKS * N * INNER * 4
