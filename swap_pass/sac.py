@@ -80,12 +80,19 @@ def offload_policies(api: str = _API) -> tuple[Any, Any]:
 
 
 class _Offloaded:
-    """One offloaded output: the op that made it, its tag and its group."""
+    """One offloaded output: the op that made it, its tag, its group and its version when the
+    copy out started."""
 
-    __slots__ = ("op", "policy", "group")
+    __slots__ = ("op", "policy", "group", "version")
 
     def __init__(self, op: str, policy: Any, group: SwapTensors) -> None:
         self.op, self.policy, self.group = op, policy, group
+        self.version = group.tensors[0]._version
+
+    def written_since(self) -> bool:
+        """Whether the region wrote the output in place after its copy out started
+        (``allow_cache_entry_mutation=True``): the host copy is stale then."""
+        return self.group.tensors[0]._version != self.version
 
 
 class _Region:
@@ -151,14 +158,18 @@ class _Region:
             group.wait_copy_out()  # its source is no holder once the copy ran
             t = group.tensors[0]
             extra = outside_holders(_cached_aliases(cache, t.untyped_storage()._cdata))
-            if extra <= 0:
+            if extra <= 0 and not entry.written_since():
                 group.wait_d2h()
                 continue
             group.restore()
             self.entries.remove(entry)
-            self._refuse(entry.op, entry.policy, t, SkipReason.SHARED_STORAGE,
-                         f"shares its storage with {extra} other live tensor(s), e.g. the "
-                         "region's output or a tensor from outside the region")
+            if extra > 0:
+                self._refuse(entry.op, entry.policy, t, SkipReason.SHARED_STORAGE,
+                             f"shares its storage with {extra} other live tensor(s), e.g. the "
+                             "region's output or a tensor from outside the region")
+            else:
+                self._refuse(entry.op, entry.policy, t, SkipReason.OFFLOAD_FALLBACK,
+                             "was written in place after it was made")
         if any(e.group.stat is HOST for e in self.entries):
             _forward_order.append(self)
 

@@ -209,3 +209,41 @@ def test_forward_without_backward_leaves_nothing_behind():
     assert swap_pass.swap_stats().host_bytes_in_use > 0
     del loss  # the graph goes, and with it the groups: no collection needed
     assert swap_pass.swap_stats().host_bytes_in_use == 0
+
+
+class InPlace(nn.Module):
+    """A region that writes the tagged output in place after it was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, context_fn):
+        def body(t):
+            y = self.lin(t)
+            y.mul_(2)
+            return torch.tanh(y) + 1
+
+        return checkpoint(body, x, use_reentrant=False, context_fn=context_fn).square().mean()
+
+
+def test_an_output_written_in_place_after_its_copy_started_is_kept_as_torch_keeps_it():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    x = _input()
+    ref_model, model = InPlace(), InPlace()
+    ref_loss = ref_model(x, functools.partial(create_selective_checkpoint_contexts,
+                                              _policy("MUST_SAVE"), True))
+    ref_loss.backward()
+    with pytest.warns(RuntimeWarning, match=r"\(offload_fallback\)\. .*written in place"):
+        loss = model(x, _contexts(_policy("PREFER_CPU_OFFLOAD"), allow_cache_entry_mutation=True))
+    loss.backward()
+    assert torch.equal(loss, ref_loss)
+    assert torch.equal(model.lin.weight.grad, ref_model.lin.weight.grad)
+    stats = swap_pass.swap_stats()
+    assert stats.skipped_bytes["offload_fallback"] == N * HIDDEN * 4
+    assert stats.device_bytes_released == 0 and stats.host_bytes_in_use == 0
+    with pytest.raises(RuntimeError, match="aten.addmm.default is tagged MUST_CPU_OFFLOAD but "
+                                           "cannot be swapped: it was written in place"):
+        model(x, _contexts(_policy("MUST_CPU_OFFLOAD"), allow_cache_entry_mutation=True))
