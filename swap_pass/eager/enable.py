@@ -32,7 +32,7 @@ from typing import Any
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.eager import _protocol
+from swap_pass.eager import _protocol, hf_offload
 from swap_pass.opt_out import ModuleFilter, check_module_filter, filtered_blocks
 from swap_pass.runtime.manager import SwapLayerInputManager
 
@@ -127,6 +127,7 @@ class SwapLayerInputHandle:
         inner = layer.__dict__.get("forward")
         object.__setattr__(layer, "forward", _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
+        hf_offload.take_over(layer)  # Note: [Taking over HF's offload] in hf_offload.py
 
     def _undo(self) -> None:
         """Revert every block patched so far and drop the managers (a failed enable)."""
@@ -180,6 +181,7 @@ def _unpatch(layer: nn.Module) -> None:
         if patched.inner is not None:
             layer.__dict__["forward"] = patched.inner
     layer.__dict__.pop("swap_manager", None)
+    hf_offload.give_back(layer)
 
 
 def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:
@@ -260,6 +262,10 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
         module_filter_fn: ``(module, fqn) -> bool`` (torchao's shape), asked once per block with
             its name in ``model``; blocks it returns False for run unchanged and keep their
             input. Default: ``None`` (every block).
+
+    A model set up with HF's ``activation_checkpointing_enable(offload=True)`` has its
+    synchronous ``save_on_cpu`` replaced by this swap on the enabled blocks, until ``remove()``
+    (Note: [Taking over HF's offload] in ``swap_pass/eager/hf_offload.py``).
 
     Returns:
         A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.

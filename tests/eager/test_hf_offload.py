@@ -1,0 +1,79 @@
+"""HF's ``activation_checkpointing_enable(offload=True)`` taken over by ``enable_swap_layer_input``.
+
+HF's offload copies on the compute stream inside ``save_on_cpu(pin_memory=True)``; on a machine
+without an accelerator it raises. After ``enable_swap_layer_input`` the same blocks checkpoint
+without it and swap their input instead: exact against HF's checkpointing without offload.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import swap_pass
+from swap_pass.runtime.device import accelerator_type
+from tests.eager.helpers import assert_clean, assert_exact
+from tests.eager.test_enable import L, _freed_after_forward, _hf, _hf_step
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"),
+    reason=f"transformers {transformers.__version__} has no activation_checkpointing_enable")
+
+
+def _offloading(kind: str = "llama"):
+    ref = _hf(kind)
+    model = copy.deepcopy(ref)
+    ref.activation_checkpointing_enable()
+    model.activation_checkpointing_enable(offload=True)
+    return ref, model
+
+
+def _checkpoint_funcs(model):
+    return [layer._gradient_checkpointing_func for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_offload_is_replaced_by_the_swap_exactly(kind):
+    ref, model = _offloading(kind)
+    hf_funcs = _checkpoint_funcs(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    kept = ids.clone()
+    expected = _hf_step(ref, ids)
+    handle = swap_pass.enable_swap_layer_input(model)
+    model.zero_grad(set_to_none=True)
+    loss, freed = _freed_after_forward(model, handle.layers,
+                                       lambda: model(input_ids=ids, labels=ids).loss)
+    assert freed == [True] * (L - 1) + [False]
+    loss.backward()
+    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None})
+    assert_exact(expected, got)
+    layer_input = 2 * 8 * 32 * 4
+    assert swap_pass.swap_stats().swapped_out_bytes == (L - 1) * layer_input
+    assert_clean()
+    assert torch.equal(ids, kept)
+    handle.remove()
+    assert _checkpoint_funcs(model) == hf_funcs  # HF's offloading checkpoint is back
+
+
+@pytest.mark.skipif(accelerator_type() != "cpu", reason="HF's pinned offload runs here")
+def test_without_the_takeover_hf_offload_fails_on_a_cpu_only_machine():
+    _, model = _offloading()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="pin_memory"):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_blocks_left_out_by_the_filter_keep_hf_offload():
+    _, model = _offloading()
+    hf_funcs = _checkpoint_funcs(model)
+    handle = swap_pass.enable_swap_layer_input(
+        model, module_filter_fn=lambda m, fqn: not fqn.endswith("layers.1"))
+    funcs = _checkpoint_funcs(model)
+    assert funcs[1] is hf_funcs[1]
+    assert funcs[0] is not hf_funcs[0] and funcs[2] is not hf_funcs[2]
+    handle.remove()
+    assert _checkpoint_funcs(model) == hf_funcs
