@@ -77,3 +77,33 @@ def test_blocks_left_out_by_the_filter_keep_hf_offload():
     assert funcs[0] is not hf_funcs[0] and funcs[2] is not hf_funcs[2]
     handle.remove()
     assert _checkpoint_funcs(model) == hf_funcs
+
+
+def _trainer_run(tmp_path, swap: bool):
+    """Two steps of HF's ``Trainer`` with activation checkpointing, swap on or off."""
+    model = _hf("llama")
+    data = [{"input_ids": ids, "labels": ids} for ids in
+            torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("swap" if swap else "plain")), max_steps=2,
+        per_device_train_batch_size=2, gradient_checkpointing=True, learning_rate=0.1,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        dataloader_num_workers=0, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    handle = swap_pass.enable_swap_layer_input(model) if swap else None  # the one line
+    trainer.train()
+    if handle is not None:
+        handle.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_hf_trainer_with_activation_checkpointing_and_one_line_of_swap_pass(tmp_path):
+    expected = _trainer_run(tmp_path, swap=False)
+    assert swap_pass.swap_stats().swapped_out_bytes == 0
+    got = _trainer_run(tmp_path, swap=True)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    stats = swap_pass.swap_stats()
+    assert stats.swapped_out_bytes == 2 * (L - 1) * (2 * 8 * 32 * 4)  # two steps
+    assert stats.host_bytes_in_use == 0
