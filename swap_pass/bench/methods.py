@@ -142,6 +142,28 @@ def _save_on_cpu(model: nn.Module, ctx: BenchContext) -> Runner:
     return _with_context(model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin))
 
 
+def _hf_offload(model: nn.Module, ctx: BenchContext) -> Runner:
+    """HF transformers' ``activation_checkpointing_enable(offload=True)``: each layer's
+    checkpoint runs inside ``save_on_cpu(pin_memory=True)``, whose copies use the compute stream
+    (unpinned on CPU, where pinning needs an accelerator)."""
+    from torch.utils.checkpoint import checkpoint
+
+    pin = ctx.device.type != "cpu"
+    layers = list(model.layers)
+    for layer in layers:
+        def forward(*args, _inner=layer.forward):
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return checkpoint(_inner, *args, use_reentrant=False)
+
+        layer.forward = forward
+
+    def close() -> None:
+        for layer in layers:
+            del layer.forward
+
+    return Runner(forward=model, close=close)
+
+
 def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
     if ctx.device.type != "cuda":  # checked with torchtune 0.6.1 installed: it fails on CPU
         # The message names torchtune's own CUDA calls; swap_pass makes none here.
@@ -184,6 +206,7 @@ METHODS: list[Method] = [
     Method("compile_budget", "swap @ budget 0.5 (compile)", _compile_budget,
            reference="compile_plain"),
     Method("save_on_cpu", "torch save_on_cpu", _save_on_cpu),
+    Method("hf_offload", "recompute + HF offload (save_on_cpu)", _hf_offload),
     Method("smartswap", "SmartSwap @ budget", _smartswap),
     Method("torchtune", "torchtune OffloadActivations", _torchtune),
 ]

@@ -205,6 +205,17 @@ def test_merged_swap_rows_run_and_match(key):
     assert row.swapped_out_bytes > 0 and row.peak_host_bytes > 0
 
 
+def test_hf_offload_row_runs_each_layer_checkpointed_inside_save_on_cpu():
+    report = run_bench(SMALL, BenchContext(CPU), methods=["no_swap", "recompute", "hf_offload"],
+                       smart_rows=False, host_rows=False)
+    row, rec = report.row("hf_offload"), report.row("recompute")
+    assert row.status == "ok", row.reason
+    assert row.losses_match is True
+    # Each layer keeps only its input, as under full recompute (on CPU it has nowhere to go).
+    assert row.peak_bytes == pytest.approx(rec.peak_bytes, rel=0.05)
+    assert row.peak_bytes < 0.5 * report.row("no_swap").peak_bytes
+
+
 def test_smartswap_extra_rows_or_their_skip_reason():
     from swap_pass.bench.run import smart_extra_rows
 
