@@ -322,21 +322,28 @@ def saved_aliases(tensors: Sequence[torch.Tensor], roots: Sequence[torch.Tensor]
     found: set[int] = set()
     stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
     seen: dict[int, object] = {}  # the nodes themselves: their ids stay theirs while we walk
+    wrapped: dict[int, list] = {}  # saved DTensors: [the DTensor, times saved] (see the Note)
     while stack and len(seen) < _MAX_NODES:
         node = stack.pop()
         if id(node) in seen or node._sequence_nr() < since:
             continue
         seen[id(node)] = node
-        _collect_saved(node, key, known, found)
+        _collect_saved(node, key, known, found, wrapped)
         if enough is not None and len(found) >= enough:
             break
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    for entry in wrapped.values():
+        local = _saved_local(entry)
+        if (local is not None and local.untyped_storage()._cdata == key
+                and local._cdata not in known):
+            found.add(local._cdata)
     return len(found)
 
 
-def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
+def _collect_saved(node, key: int, known: set[int], found: set[int],
+                   wrapped: dict[int, list]) -> None:
     """Add to ``found`` the saved tensors of ``node`` over storage ``key`` that only autograd
-    holds."""
+    holds; count the saved DTensors in ``wrapped`` (judged after the walk)."""
     for name in _saved_tensor_names(type(node)):
         raw = getattr(node, name, None)
         for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
@@ -344,6 +351,10 @@ def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
                     or saved.unpack_hook is not None):
                 continue
             data = saved.data
+            if data is not None and type(data) is not torch.Tensor:
+                entry = wrapped.setdefault(id(data), [data, 0])
+                entry[1] += 1
+                continue
             if (data is None or data._cdata in known or data._cdata in found
                     or data.untyped_storage()._cdata != key):
                 continue
@@ -351,6 +362,66 @@ def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
                 found.add(data._cdata)
             else:
                 known.add(data._cdata)  # kept by someone: a holder the walk does not explain
+
+
+# Note: [Saved DTensor aliases]
+#     Under sequence parallel with plain activations between blocks (``use_local_output=True``,
+#     torchtitan up to 0.2), each ``SequenceParallel`` norm wraps the block's input with
+#     ``DTensor.from_local``: a DTensor whose local tensor is an alias of the input, which the
+#     norm's backward saves (inside the DTensor, once per node that saves it). That local tensor
+#     holds the input's storage, but it is autograd's own when nothing but the saved DTensor holds
+#     it and nothing but the saved variables the walk met hold that DTensor: both reference counts
+#     are as low as they can be. Anything more (a caller's DTensor over the same local tensor, a
+#     kept ``to_local()``, a saving node outside the walk) stays a holder.
+
+
+def _excess_refs(entry: list) -> int:
+    """References to ``entry[0]`` beyond the ``entry[1]`` saved variables that hold it."""
+    data = entry[0]
+    return sys.getrefcount(data) - entry[1]
+
+
+def _measure_excess_refs() -> int:
+    """:func:`_excess_refs` of an object that one saved variable alone holds."""
+    saved_variable = [object()]
+    return _excess_refs([saved_variable[0], 1])
+
+
+_EXCESS_REFS = _measure_excess_refs()
+
+
+def _held_once(holder: object) -> int:
+    """``sys.getrefcount`` of ``holder._local_tensor``, read the way :func:`_saved_local` reads
+    it."""
+    local = holder._local_tensor
+    return sys.getrefcount(local)
+
+
+_local_held_once: list[int] = []  # measured once, on the first saved DTensor met
+
+
+def _dtensor_held_once(like: torch.Tensor) -> int:
+    """:func:`_held_once` of a DTensor that alone holds its local tensor (a DTensor may keep
+    more than one reference to it: measured on a fresh one with ``like``'s spec and an empty
+    local tensor)."""
+    if not _local_held_once:
+        fresh = type(like)(like._local_tensor.new_empty(0), like._spec, requires_grad=False)
+        _local_held_once.append(_held_once(fresh))
+    return _local_held_once[0]
+
+
+def _saved_local(entry: list) -> torch.Tensor | None:
+    """The local tensor of a saved DTensor (``entry``: it and the times it was saved) that only
+    autograd holds (Note: [Saved DTensor aliases]); None for anything else."""
+    from swap_pass.runtime.subclasses import is_dtensor
+
+    data = entry[0]
+    if not is_dtensor(data) or _excess_refs(entry) > _EXCESS_REFS + 1:
+        return None
+    if _held_once(data) > _dtensor_held_once(data):  # read before this frame refers to it too
+        return None
+    local = data._local_tensor
+    return local if type(local) is torch.Tensor else None
 
 
 @functools.cache

@@ -23,6 +23,9 @@ import torch.distributed as dist
 STEPS = 3
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
           "tp-sp-ac", "tp-classic", "docs-recipe"]
+# Sequence parallel with plain local shards between blocks (torchtitan up to 0.2's plans): its
+# first block's input is the embedding's AsyncCollectiveTensor; checked on its own.
+SP_LOCAL = "tp-sp-local"
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
 # swap: in their own process pair.
 COMPILE_SETUPS = ["fsdp2-compile-layers", "fsdp2-ac-compile-layers", "tp-sp-compile-layers"]
@@ -62,7 +65,9 @@ def _wrap(setup: str, model, mesh):
 
     from tests.distributed import models as m
     if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
-        m.apply_tp(model, mesh, "classic" if setup.startswith("tp-classic") else "sp")
+        style = ("classic" if setup.startswith("tp-classic") else
+                 "sp-local" if setup.startswith("tp-sp-local") else "sp")
+        m.apply_tp(model, mesh, style)
     if setup.endswith("-ac") or "-ac-" in setup:  # checkpoint_wrapper per block
         for idx, block in enumerate(model.layers):
             model.layers[idx] = checkpoint_wrapper(block)
