@@ -372,7 +372,9 @@ def _collect_saved(node, key: int, known: set[int], found: set[int],
 #     holds the input's storage, but it is autograd's own when nothing but the saved DTensor holds
 #     it and nothing but the saved variables the walk met hold that DTensor: both reference counts
 #     are as low as they can be. Anything more (a caller's DTensor over the same local tensor, a
-#     kept ``to_local()``, a saving node outside the walk) stays a holder.
+#     kept ``to_local()``, a saving node outside the walk) stays a holder. The first block's
+#     input is the embedding's ``AsyncCollectiveTensor``: there the DTensor's local tensor is an
+#     ``AsyncCollectiveTensor`` too, and its result must be held by it alone as well.
 
 
 def _excess_refs(entry: list) -> int:
@@ -390,38 +392,52 @@ def _measure_excess_refs() -> int:
 _EXCESS_REFS = _measure_excess_refs()
 
 
-def _held_once(holder: object) -> int:
-    """``sys.getrefcount`` of ``holder._local_tensor``, read the way :func:`_saved_local` reads
-    it."""
-    local = holder._local_tensor
-    return sys.getrefcount(local)
+def _attr_refs(holder: object, attr: str) -> int:
+    """``sys.getrefcount`` of ``getattr(holder, attr)``, read the same way for every caller."""
+    value = getattr(holder, attr)
+    return sys.getrefcount(value)
 
 
-_local_held_once: list[int] = []  # measured once, on the first saved DTensor met
+# Per wrapper class: _attr_refs of its inner tensor when the wrapper alone holds it (a DTensor
+# may keep more than one reference to its local tensor): measured once, on a fresh wrapper.
+_alone: dict[type, int] = {}
 
 
-def _dtensor_held_once(like: torch.Tensor) -> int:
-    """:func:`_held_once` of a DTensor that alone holds its local tensor (a DTensor may keep
-    more than one reference to it: measured on a fresh one with ``like``'s spec and an empty
-    local tensor)."""
-    if not _local_held_once:
-        fresh = type(like)(like._local_tensor.new_empty(0), like._spec, requires_grad=False)
-        _local_held_once.append(_held_once(fresh))
-    return _local_held_once[0]
+def _refs_when_alone(wrapper: torch.Tensor, attr: str) -> int:
+    cls = type(wrapper)
+    if cls not in _alone:
+        if attr == "elem":  # an AsyncCollectiveTensor
+            fresh = cls(torch.empty(0))
+        else:  # a DTensor: its own spec, an empty local tensor
+            fresh = cls(torch.empty(0), wrapper._spec, requires_grad=False)
+        _alone[cls] = _attr_refs(fresh, attr)
+    return _alone[cls]
+
+
+def _inner_alone(wrapper: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor inside ``wrapper`` (a DTensor, an AsyncCollectiveTensor, or a DTensor
+    over one) when each level alone holds the next; None otherwise."""
+    from swap_pass.runtime.subclasses import is_async_collective, is_dtensor
+
+    for _ in range(2):  # a DTensor over an AsyncCollectiveTensor is two levels
+        if type(wrapper) is torch.Tensor:
+            return wrapper
+        attr = ("_local_tensor" if is_dtensor(wrapper) else
+                "elem" if is_async_collective(wrapper) else None)
+        if attr is None or _attr_refs(wrapper, attr) > _refs_when_alone(wrapper, attr):
+            return None
+        wrapper = getattr(wrapper, attr)
+    return wrapper if type(wrapper) is torch.Tensor else None
 
 
 def _saved_local(entry: list) -> torch.Tensor | None:
-    """The local tensor of a saved DTensor (``entry``: it and the times it was saved) that only
-    autograd holds (Note: [Saved DTensor aliases]); None for anything else."""
+    """The plain tensor inside a saved DTensor (``entry``: it and the times it was saved) that
+    only autograd holds (Note: [Saved DTensor aliases]); None for anything else."""
     from swap_pass.runtime.subclasses import is_dtensor
 
-    data = entry[0]
-    if not is_dtensor(data) or _excess_refs(entry) > _EXCESS_REFS + 1:
+    if not is_dtensor(entry[0]) or _excess_refs(entry) > _EXCESS_REFS:
         return None
-    if _held_once(data) > _dtensor_held_once(data):  # read before this frame refers to it too
-        return None
-    local = data._local_tensor
-    return local if type(local) is torch.Tensor else None
+    return _inner_alone(entry[0])
 
 
 @functools.cache

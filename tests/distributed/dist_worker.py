@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 
 STEPS = 3
+# "tp-sp-local": sequence parallel with plain local shards between blocks (torchtitan up to 0.2's
+# plans, the default use_local_output), no AC.
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
-          "tp-sp-ac", "tp-classic", "docs-recipe"]
-# Sequence parallel with plain local shards between blocks (torchtitan up to 0.2's plans): its
-# first block's input is the embedding's AsyncCollectiveTensor; checked on its own.
-SP_LOCAL = "tp-sp-local"
+          "tp-sp-ac", "tp-sp-local", "tp-classic", "docs-recipe"]
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
 # swap: in their own process pair.
 COMPILE_SETUPS = ["fsdp2-compile-layers", "fsdp2-ac-compile-layers", "tp-sp-compile-layers"]
