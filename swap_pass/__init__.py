@@ -36,6 +36,7 @@ from swap_pass.graph import (  # noqa: E402
     make_swap_backend,
     swap_backend,
 )
+from swap_pass.opt_out import no_swap  # noqa: E402
 from swap_pass.runtime import (  # noqa: E402
     HostMemoryError,
     SkipReason,
@@ -49,6 +50,9 @@ from swap_pass.runtime import (  # noqa: E402
     swap_stats,
 )
 
+# --- selective activation checkpointing ---
+from swap_pass.sac import selective_checkpoint_contexts  # noqa: E402
+
 # --- adaptive (SmartSwap) ---
 from swap_pass.smart import SmartSwap, SmartSwapConfig  # noqa: E402
 
@@ -58,6 +62,8 @@ __all__ = [
     # --- configuration ---
     "OnHostExhausted",
     "SwapConfig",
+    # --- opting out ---
+    "no_swap",
     # --- runtime ---
     "SkipReason",
     "SwapLayerInputManager",
@@ -79,6 +85,8 @@ __all__ = [
     "find_layer_boundaries",
     "make_swap_backend",
     "swap_backend",
+    # --- selective activation checkpointing ---
+    "selective_checkpoint_contexts",
     # --- adaptive (SmartSwap) ---
     "SmartSwap",
     "SmartSwapConfig",

@@ -36,6 +36,13 @@ class SwapConfig:
             copies are truly asynchronous. Ignored on CPU. Default: ``True``.
         use_streams: Run copies on side streams when an accelerator is present. ``False``
             runs them on the compute stream (useful to rule out races). Default: ``True``.
+        prefetch_layers: How many layers ahead of the layer that needs it a swapped input's
+            host-to-device copy starts in backward (with ``prefetch``): ``1`` keeps one layer
+            input in flight back, ``2`` two, and so on; more hides slower copies and costs one
+            more layer input on the device each. Default: ``1``.
+        max_copies_in_flight: Most copies one model's layers may have started and not yet
+            waited for, in each direction: before another starts, the oldest is waited for.
+            ``None`` waits only where a reader needs the data. Default: ``None``.
     """
 
     max_host_bytes: int | None = None
@@ -44,6 +51,8 @@ class SwapConfig:
     prefetch: bool = True
     pin_memory: bool = True
     use_streams: bool = True
+    prefetch_layers: int = 1
+    max_copies_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         _check_size("max_host_bytes", self.max_host_bytes, allow_none=True)
@@ -64,6 +73,8 @@ class SwapConfig:
                     f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
                     "It must be a bool (True or False)."
                 )
+        _check_count("prefetch_layers", self.prefetch_layers)
+        _check_count("max_copies_in_flight", self.max_copies_in_flight, allow_none=True)
 
 
 def _check_size(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -79,6 +90,22 @@ def _check_size(name: str, value: object, *, allow_none: bool = False) -> None:
         raise ValueError(
             f"swap_pass.SwapConfig: {name}={value!r} is invalid. "
             f"It must be an int >= 0{' or None' if allow_none else ''}."
+        )
+
+
+def _check_count(name: str, value: object, *, allow_none: bool = False) -> None:
+    """A count of layers or copies: an int >= 1 (``bool`` is refused)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
+            f"It must be an int >= 1{' or None' if allow_none else ''}."
+        )
+    if value < 1:
+        raise ValueError(
+            f"swap_pass.SwapConfig: {name}={value!r} is invalid. "
+            f"It must be an int >= 1{' or None' if allow_none else ''}."
         )
 
 

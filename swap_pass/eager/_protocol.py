@@ -74,7 +74,9 @@ from typing import Any
 
 import torch
 
+from swap_pass.config import SwapConfig
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
+from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import register_reset_hook, stats
 from swap_pass.runtime.device import entry_compute_stream
 from swap_pass.runtime.manager import SwapLayerInputManager
@@ -150,14 +152,40 @@ class BackwardGuard:
             return
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
-        before, earlier = prev.previous, group.previous_link()
-        if before is not None and earlier is not None and before.prefetch_enabled:
-            before.prefetch(earlier)
+        _prefetch_ahead(prev.previous, group.previous_link(), self.manager.config)
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
         for t in tensors:
             _add_grad_hook(t, self)
+
+
+def _prefetch_ahead(manager: SwapLayerInputManager | None, group: SwapTensors | None,
+                    config: SwapConfig) -> None:
+    """Start the host-to-device copies of ``group`` (``manager``'s) and of the groups before it
+    in the same micro-batch: ``SwapConfig.prefetch_layers`` of them, while at most
+    ``SwapConfig.max_copies_in_flight`` of those copies run at once."""
+    limit, in_flight = config.max_copies_in_flight, 0
+    for _ in range(config.prefetch_layers):
+        if manager is None or group is None or not manager.prefetch_enabled:
+            return
+        if group.stat is HOST:
+            if limit is not None and in_flight >= limit:
+                return
+            manager.prefetch(group)
+        in_flight += group.stat is H2D
+        manager, group = manager.previous, group.previous_link()
+
+
+def _wait_oldest_copies(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
+                        config: SwapConfig) -> None:
+    """Before a new device-to-host copy: wait for the oldest of ``earlier`` (still copying out,
+    nearest layer first) until fewer than ``SwapConfig.max_copies_in_flight`` are left."""
+    limit = config.max_copies_in_flight
+    if limit is None or len(earlier) < limit:
+        return
+    for _, group in earlier[limit - 1:]:
+        group.wait_copy_out()
 
 
 _HOOK_KEYS = itertools.count()
@@ -360,10 +388,11 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         return
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
     if claimed:  # its compute stream: the one current at the layer's entry
+        _wait_oldest_copies(earlier, manager.config)
         group = manager.swap_out(claimed, copy_span=True, compute_stream=entry_stream)
     else:
         group = None
-        if not manager.is_last_layer:  # counted by reason by the claim
+        if not manager.is_last_layer and swap_allowed():  # counted by reason by the claim
             _miss(manager)
     if group is not None:
         group.previous_link = _weak(previous)

@@ -32,10 +32,11 @@ from typing import Any
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.eager import _protocol
+from swap_pass.eager import _protocol, hf_offload
+from swap_pass.opt_out import ModuleFilter, check_module_filter, filtered_blocks
 from swap_pass.runtime.manager import SwapLayerInputManager
 
-__all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks"]
+__all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks", "kept_blocks"]
 
 _API = "enable_swap_layer_input"
 _HANDLE_ATTR = "_swap_pass_handle"
@@ -127,6 +128,7 @@ class SwapLayerInputHandle:
         inner = layer.__dict__.get(attr)
         object.__setattr__(layer, attr, _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
+        hf_offload.take_over(layer)  # Note: [Taking over HF's offload] in hf_offload.py
 
     def _undo(self) -> None:
         """Revert every block patched so far and drop the managers (a failed enable)."""
@@ -202,6 +204,7 @@ def _unpatch(layer: nn.Module) -> None:
             elif attr == "_old_forward":  # accelerate's hook came later: it calls this one
                 layer.__dict__[attr] = type(layer).forward.__get__(layer)
     layer.__dict__.pop("swap_manager", None)
+    hf_offload.give_back(layer)
 
 
 def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:
@@ -270,7 +273,8 @@ def _refuse_repeated_instances(found: list[object]) -> None:
 
 
 def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | None = None,
-                            config: SwapConfig | None = None) -> SwapLayerInputHandle:
+                            config: SwapConfig | None = None,
+                            module_filter_fn: ModuleFilter = None) -> SwapLayerInputHandle:
     """Swap each Transformer block's input to host memory between forward and backward.
 
     Args:
@@ -278,6 +282,13 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
         layers: The blocks, in the order they run (an ``nn.ModuleDict`` gives its values).
             Default: ``None``, found with :func:`find_layer_blocks`.
         config: Runtime knobs for the blocks' managers. Default: ``SwapConfig()``.
+        module_filter_fn: ``(module, fqn) -> bool`` (torchao's shape), asked once per block with
+            its name in ``model``; blocks it returns False for run unchanged and keep their
+            input. Default: ``None`` (every block).
+
+    A model set up with HF's ``activation_checkpointing_enable(offload=True)`` has its
+    synchronous ``save_on_cpu`` replaced by this swap on the enabled blocks, until ``remove()``
+    (Note: [Taking over HF's offload] in ``swap_pass/eager/hf_offload.py``).
 
     Returns:
         A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.
@@ -285,10 +296,29 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
     Raises:
         RuntimeError: Swap is already enabled on ``model`` or on one of the blocks, or the model
             or a block was compiled with ``nn.Module.compile()``.
-        ValueError: No repeated blocks were found, ``layers`` is empty, or one block instance
-            appears at several positions.
-        TypeError: ``config`` is not a :class:`SwapConfig`.
+        ValueError: No repeated blocks were found, ``layers`` is empty, one block instance
+            appears at several positions, or ``module_filter_fn`` refuses every block.
+        TypeError: ``config`` is not a :class:`SwapConfig`, or ``module_filter_fn`` is not
+            callable.
     """
     config = check_config(config, _API)
+    check_module_filter(module_filter_fn, _API)
     found = _check_layers(model, layers)
-    return SwapLayerInputHandle(model, found, config)
+    return SwapLayerInputHandle(model, kept_blocks(model, found, module_filter_fn, _API), config)
+
+
+def kept_blocks(model: nn.Module, found: list[nn.Module], module_filter_fn: ModuleFilter,
+                api: str) -> list[nn.Module]:
+    """The blocks of ``found`` that ``module_filter_fn`` keeps.
+
+    Raises:
+        ValueError: it keeps none of them.
+    """
+    kept = filtered_blocks(model, found, module_filter_fn)
+    if not kept:
+        raise ValueError(
+            f"swap_pass.{api}: module_filter_fn returned False for all {len(found)} blocks "
+            f"({type(found[0]).__name__}). It must keep at least one block; to swap nothing, "
+            "do not enable swap (or run the step inside swap_pass.no_swap())."
+        )
+    return kept

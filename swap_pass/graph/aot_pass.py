@@ -374,8 +374,8 @@ def _apply(fw: fx.GraphModule, bw: fx.GraphModule, planned: list[_Planned], laye
 
 
 def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
-                            layer_filter: LayerFilter = None,
-                            config: SwapConfig | None = None) -> list[SwappedTensor]:
+                            layer_filter: LayerFilter = None, config: SwapConfig | None = None,
+                            offload_tags: dict | None = None) -> list[SwappedTensor]:
     """Rewrite a partitioned forward/backward pair so saved layer inputs live on the host.
 
     Args:
@@ -386,6 +386,9 @@ def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outp
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
         config: Runtime knobs. Default: ``SwapConfig()``.
+        offload_tags: Selective-checkpoint offload tags taken from the joint graph
+            (:func:`swap_pass.graph.sac_tags.take_offload_tags`): those saved nodes are swapped
+            too. Default: ``None``.
 
     Returns:
         What was swapped, in forward order (empty when the graphs hold no layers, or layers none
@@ -394,7 +397,21 @@ def swap_saved_layer_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outp
     """
     config = config or SwapConfig()
     planned, _ = _layer_inputs(fw, num_fwd_outputs, layer_filter, config)
+    planned = _with_offloads(fw, num_fwd_outputs, planned, offload_tags, layer_filter, config)
     return _apply(fw, bw, planned, layer_filter, config)
+
+
+def _with_offloads(fw: fx.GraphModule, num_fwd_outputs: int, planned: list[_Planned],
+                   offload_tags: dict | None, layer_filter, config: SwapConfig) -> list[_Planned]:
+    """``planned`` and the saved nodes tagged ``*_CPU_OFFLOAD``, in forward order."""
+    if not offload_tags:
+        return planned
+    from swap_pass.graph.sac_tags import plan_offloads
+
+    extra = plan_offloads(fw, num_fwd_outputs, offload_tags, layer_filter=layer_filter,
+                          config=config, exclude={p.node for p in planned})
+    index = {n: i for i, n in enumerate(fw.graph.nodes)}
+    return sorted([*planned, *extra], key=lambda p: index[p.node])
 
 
 def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) -> tuple[str, int]:
@@ -438,8 +455,8 @@ def _count_unplanned(nodes) -> None:
 
 
 def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
-                       budget: Budget, cost: CostModel, config: SwapConfig | None = None
-                       ) -> tuple[list[SwappedTensor], int, int]:
+                       budget: Budget, cost: CostModel, config: SwapConfig | None = None,
+                       offload_tags: dict | None = None) -> tuple[list[SwappedTensor], int, int]:
     """Rewrite a partitioned pair so the predicted peak fits ``budget`` (any saved tensor moves).
 
     Args:
@@ -447,12 +464,16 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         budget: Target peak of the bytes the graphs make (see :mod:`swap_pass.graph.budget`).
         cost: Copy bandwidth and FLOP rate; measured on the graph's device where ``None``.
         config: Runtime knobs. Default: ``SwapConfig()``.
+        offload_tags: As for :func:`swap_saved_layer_inputs`: swapped besides the budget's
+            choice (which does not count them). Default: ``None``.
 
     Returns:
         What was swapped in forward order, the predicted peak without swap, and with it.
     """
     config = config or SwapConfig()
+    forced = _with_offloads(fw, num_fwd_outputs, [], offload_tags, None, config)
     user_outputs, saved = _saved(fw, num_fwd_outputs)
+    saved = saved - {p.node for p in forced}
     in_order = dict.fromkeys(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
     # graph order, not set order: ties in the choice then break the same way in every process
     sizes = {n: _swappable_bytes(n, saved, user_outputs, config, hinted=True)
@@ -461,8 +482,8 @@ def swap_within_budget(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     _count_unplanned(n for n, nb in sizes.items() if nb == 0)
     device = next((v.device for n, _ in candidates if (v := _tensor_val(n)) is not None), None)
     if device is None:
-        return [], 0, 0
+        return _apply(fw, bw, forced, None, config), 0, 0
     choices, before, after = choose_swaps(fw, bw, candidates, budget, cost.resolved(device))
     planned = [_Planned(c.node, _owner(fw, c.node), c.nbytes, [c.wait_after], c.prefetch_before)
                for c in choices]
-    return _apply(fw, bw, planned, None, config), before, after
+    return _apply(fw, bw, [*planned, *forced], None, config), before, after

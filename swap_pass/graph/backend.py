@@ -29,9 +29,11 @@ from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.aot_pass import SwappedTensor, swap_saved_layer_inputs, swap_within_budget
-from swap_pass.graph.boundaries import LayerFilter
+from swap_pass.graph.boundaries import LayerFilter, with_module_filter
 from swap_pass.graph.budget import Budget, CostModel
 from swap_pass.graph.module_names import name_modules_as_the_model_does
+from swap_pass.graph.sac_tags import take_offload_tags
+from swap_pass.opt_out import ModuleFilter, check_module_filter
 
 __all__ = ["Partition", "make_swap_backend", "swap_backend"]
 
@@ -106,19 +108,20 @@ def _swap_partition(base: Callable, layer_filter: LayerFilter, config: SwapConfi
     seen = _Swapped()
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        tags = take_offload_tags(joint)  # Note: [Offload tags in compiled graphs] in sac_tags.py
         fw, bw = base(joint, joint_inputs, **kwargs)
         n_out = kwargs["num_fwd_outputs"]
         seen.graphs += 1
         if budget is None:
             swapped = swap_saved_layer_inputs(fw, bw, n_out, layer_filter=layer_filter,
-                                              config=config)
+                                              config=config, offload_tags=tags)
             record.append(Partition(fw, bw, swapped))
             if not swapped:
                 _report_nothing_swapped(fw, n_out, layer_filter, seen, where)
             seen.swapped_graphs += bool(swapped)
             return fw, bw
         swapped, before, after = swap_within_budget(fw, bw, n_out, budget=budget, cost=cost,
-                                                    config=config)
+                                                    config=config, offload_tags=tags)
         seen.swapped_graphs += bool(swapped)
         record.append(Partition(fw, bw, swapped, "budget", before, after, budget.bytes_for(before)))
         if after > budget.bytes_for(before):
@@ -142,9 +145,9 @@ def _min_cut(joint, joint_inputs, **kwargs):
 def _partitioner_uuid(*keys: object) -> str:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from swap_pass.graph import aot_pass, boundaries, budget, ops
+    from swap_pass.graph import aot_pass, boundaries, budget, ops, sac_tags
 
-    files = tuple(m.__file__ for m in (aot_pass, boundaries, budget, ops))
+    files = tuple(m.__file__ for m in (aot_pass, boundaries, budget, ops, sac_tags))
     return ":".join([get_hash_for_files(files).hex(), *map(repr, keys)])
 
 
@@ -286,7 +289,8 @@ def _warn_released_under_inductor(where: str) -> None:
 
 def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: LayerFilter = None,
                       config: SwapConfig | None = None, memory_budget: int | float | None = None,
-                      cost_model: CostModel | None = None) -> Callable:
+                      cost_model: CostModel | None = None,
+                      module_filter_fn: ModuleFilter = None) -> Callable:
     """Build a Dynamo backend that swaps tensors saved for backward to host memory.
 
     Two policies: by default (layer-input mode) the saved input of every layer but the last
@@ -309,6 +313,9 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             layer-input mode. Default: ``None``.
         cost_model: Budget mode: copy bandwidth and FLOP rate; what it leaves ``None`` is
             measured on the graph's device. Default: ``CostModel()``.
+        module_filter_fn: Layer-input mode: ``(module, fqn) -> bool``; layers it returns False
+            for keep their input. Compiled graphs keep only module names, so ``module`` is
+            ``None``: filter on ``fqn``. Default: ``None`` (all layers).
 
     Returns:
         A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
@@ -322,6 +329,8 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
 
     _check_inner(inner)
     config = check_config(config, "make_swap_backend")
+    check_module_filter(module_filter_fn, "make_swap_backend")
+    layer_filter = with_module_filter(layer_filter, module_filter_fn)
     record: collections.deque[Partition] = collections.deque(maxlen=16)
     budget = None if memory_budget is None else Budget(memory_budget)
     cost = cost_model or CostModel()

@@ -25,11 +25,41 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-__all__ = ["LayerBoundary", "LayerFilter", "find_layer_boundaries", "normalize_fqn"]
+__all__ = ["LayerBoundary", "LayerFilter", "ModuleFiltered", "find_layer_boundaries",
+           "normalize_fqn", "with_module_filter"]
 
 log = logging.getLogger(__name__)
 
 LayerFilter = str | type | Sequence[type] | Callable[[str, object], bool] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleFiltered:
+    """A layer filter narrowed by a ``module_filter_fn(module, fqn)`` (Note: [Opting out] in
+    ``swap_pass/opt_out.py``): the layers ``layer_filter`` selects, less those it refuses.
+
+    ``module`` is the graph's submodule of that name when the graph holds it (``symbolic_trace``
+    keeps a plain ``nn.Module`` with the layer's parameters, not the layer's class), else ``None``
+    (Dynamo and AOTAutograd graphs keep only the names).
+    """
+
+    layer_filter: LayerFilter
+    module_filter_fn: Callable[[object, str], bool]
+
+    def keeps(self, gm: fx.GraphModule, fqn: str) -> bool:
+        """Whether the filter keeps the layer ``fqn`` of ``gm``."""
+        try:
+            module = gm.get_submodule(fqn)
+        except AttributeError:
+            module = None
+        return bool(self.module_filter_fn(module, fqn))
+
+
+def with_module_filter(layer_filter: LayerFilter, module_filter_fn) -> LayerFilter:
+    """``layer_filter`` narrowed by ``module_filter_fn`` (itself when that is None)."""
+    if module_filter_fn is None:
+        return layer_filter
+    return ModuleFiltered(layer_filter, module_filter_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +278,11 @@ def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
     """
     _check_graph_module(gm, api)
     modules = _all_modules(gm)
-    fqns = _select_layers(modules, layer_filter)
+    if isinstance(layer_filter, ModuleFiltered):
+        narrowed = layer_filter
+        fqns = [f for f in _select_layers(modules, narrowed.layer_filter) if narrowed.keeps(gm, f)]
+    else:
+        fqns = _select_layers(modules, layer_filter)
     if not fqns and layer_filter is not None and not strict:
         log.debug("swap_pass.%s: layer_filter=%r matches none of this graph's modules %s",
                   api, layer_filter, sorted(modules)[:6])

@@ -43,10 +43,12 @@ from typing import List, Optional  # noqa: UP035
 import torch
 from torch.fx.node import has_side_effect
 
+from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import register_reset_hook, stats
 from swap_pass.runtime.device import DeviceStreams, device_streams
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.swap_tensors import _bytes_view
 
 __all__ = ["empty_host_like", "prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
@@ -343,6 +345,8 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
         RuntimeError: The current stream is capturing a graph.
         HostMemoryError: No host buffer could be had (``max_host_bytes``, allocation).
     """
+    if not swap_allowed():  # Note: [Opting out] in swap_pass/opt_out.py
+        return _keep_on_device(x)
     ds = device_streams(x.device, use_streams)
     compute = ds.compute_stream()  # Note: [The compute stream of a transfer]
     _refuse_capture("swap_out", ds, compute)
@@ -365,6 +369,21 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     return host
 
 
+# swap_out results that no_swap() kept on the device (a copy of the source), by data_ptr: their
+# prefetch is a plain copy, counted nowhere. Each leaves with its storage.
+_kept_on_device: dict[int, bool] = {}
+
+
+def _keep_on_device(x: torch.Tensor) -> torch.Tensor:
+    """Inside ``no_swap()``: a device copy of ``x`` in place of its host copy, counted as kept."""
+    record_skip(SkipReason.NO_SWAP, _nbytes(x), where="swap_pass::swap_out")
+    kept = x.clone(memory_format=torch.contiguous_format)
+    if kept.numel():
+        _kept_on_device[kept.data_ptr()] = True
+        weakref.finalize(kept.untyped_storage(), _kept_on_device.pop, kept.data_ptr(), None)
+    return kept
+
+
 @swap_out.register_fake
 def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True,
       pin_memory: bool = True) -> torch.Tensor:
@@ -385,6 +404,8 @@ def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[in
 
 def _start_h2d(host: torch.Tensor, device: torch.device, size: list[int], stride: list[int],
                use_streams: bool, api: str) -> torch.Tensor:
+    if host.numel() and _kept_on_device.get(host.data_ptr()):  # never left: see _keep_on_device
+        return _empty_like_original(host, device, size, stride).copy_(host)
     ds = device_streams(device, use_streams)
     compute = ds.compute_stream()  # Note: [The compute stream of a transfer]
     _refuse_capture(api, ds, compute)

@@ -29,8 +29,10 @@ import torch
 from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.graph.boundaries import LayerFilter, find_layers
+from swap_pass.graph.boundaries import LayerFilter, find_layers, with_module_filter
+from swap_pass.opt_out import ModuleFilter, check_module_filter, swap_allowed
 from swap_pass.runtime.ownership import autograd_mark, may_free, swappable_layer_inputs
+from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
@@ -54,6 +56,9 @@ def _config_from_key(key: tuple) -> SwapConfig:
 def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTensors | None:
     """Start the device-to-host copy of a layer's input; ``None`` when no backward will need it."""
     if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+        return None
+    if not swap_allowed():  # Note: [Opting out] in swap_pass/opt_out.py
+        record_skip(SkipReason.NO_SWAP, x.numel() * x.element_size(), where=name)
         return None
     if not swappable_layer_inputs([x], name):  # see Note: [Ownership rule] in runtime/ownership.py
         return None
@@ -143,7 +148,8 @@ def _maybe_shape_prop(gm: fx.GraphModule, example_inputs) -> None:
 
 
 def apply_swap_pass(gm: fx.GraphModule, example_inputs=None, *, layer_filter: LayerFilter = None,
-                    config: SwapConfig | None = None) -> fx.GraphModule:
+                    config: SwapConfig | None = None,
+                    module_filter_fn: ModuleFilter = None) -> fx.GraphModule:
     """Insert swap nodes at every layer boundary but the last, for training in eager autograd.
 
     Args:
@@ -154,6 +160,8 @@ def apply_swap_pass(gm: fx.GraphModule, example_inputs=None, *, layer_filter: La
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
         config: Runtime knobs (host cap, prefetch, streams...). Default: ``SwapConfig()``.
+        module_filter_fn: ``(module, fqn) -> bool``; layers it returns False for keep their
+            input (``module`` is ``gm``'s submodule of that name). Default: ``None`` (all).
 
     Returns:
         ``gm``, whose forward swaps each layer's input out at the layer's entry, frees it at the
@@ -166,8 +174,10 @@ def apply_swap_pass(gm: fx.GraphModule, example_inputs=None, *, layer_filter: La
 
     _check_graph_module(gm, "apply_swap_pass")
     config = check_config(config, "apply_swap_pass")
+    check_module_filter(module_filter_fn, "apply_swap_pass")
     _maybe_shape_prop(gm, example_inputs)
-    layers = find_layers(gm, layer_filter, api="apply_swap_pass")
+    layers = find_layers(gm, with_module_filter(layer_filter, module_filter_fn),
+                         api="apply_swap_pass")
     if len(layers) < 2:
         warnings.warn(f"swap_pass.apply_swap_pass: found {len(layers)} layer(s); nothing to swap. "
                       "Pass layer_filter to name the repeated blocks.", stacklevel=2)

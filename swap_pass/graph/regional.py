@@ -29,6 +29,7 @@ from swap_pass.eager.enable import (
     find_layer_blocks,
     refuse_module_compile,
 )
+from swap_pass.opt_out import ModuleFilter
 from swap_pass.runtime.skips import warn_once
 
 __all__ = ["CompiledLayers", "compile_layers"]
@@ -189,7 +190,8 @@ def _check_cuda_graphs(found: list[nn.Module], backend: str | Callable,
 
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
                    layers: Iterable[nn.Module] | None = None, swap: bool = True,
-                   config: SwapConfig | None = None, **compile_kwargs: Any) -> CompiledLayers:
+                   config: SwapConfig | None = None, module_filter_fn: ModuleFilter = None,
+                   **compile_kwargs: Any) -> CompiledLayers:
     """Compile each Transformer layer of ``model`` on its own and swap layer inputs between them.
 
     Args:
@@ -202,6 +204,9 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
         swap: Swap each layer's input to host memory between forward and backward (the eager
             protocol of :func:`swap_pass.enable_swap_layer_input`). Default: ``True``.
         config: Runtime knobs for the swap. Default: ``SwapConfig()``.
+        module_filter_fn: ``(module, fqn) -> bool``; blocks it returns False for are compiled
+            but keep their input (as in :func:`swap_pass.enable_swap_layer_input`).
+            Default: ``None`` (every block swaps).
         **compile_kwargs: Passed to ``torch.compile`` (``mode="max-autotune-no-cudagraphs"``,
             ``dynamic=...``, ``fullgraph=...``). CUDA graphs (``mode="reduce-overhead"``,
             ``"max-autotune"``, ``options={"triton.cudagraphs": True}``) are refused with
@@ -228,7 +233,8 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
         saved.append(layer.__dict__.get("forward", _MISSING))
         layer.__dict__["forward"] = torch.compile(layer.forward, backend=compiler, **compile_kwargs)
     try:
-        handle = enable_swap_layer_input(model, layers=found, config=config) if swap else None
+        handle = (enable_swap_layer_input(model, layers=found, config=config,
+                                          module_filter_fn=module_filter_fn) if swap else None)
     except BaseException:
         CompiledLayers(model, found, None, saved).remove()
         raise

@@ -39,6 +39,7 @@ from torch import nn
 from swap_pass.config import SwapConfig
 from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input
 from swap_pass.eager.wrappers import swap_layer_input_forward_wrapper, swap_layer_input_init_wrapper
+from swap_pass.opt_out import ModuleFilter
 
 __all__ = ["MegatronSwapHandle", "enable", "layers_to_swap", "swap_layer_spec"]
 
@@ -111,14 +112,17 @@ class MegatronSwapHandle:
         return f"MegatronSwapHandle(chunks={len(self.handles)}, layers={len(self.layers)})"
 
 
-def enable(model: nn.Module | Iterable[nn.Module], *,
-           config: SwapConfig | None = None) -> MegatronSwapHandle:
+def enable(model: nn.Module | Iterable[nn.Module], *, config: SwapConfig | None = None,
+           module_filter_fn: ModuleFilter = None) -> MegatronSwapHandle:
     """Swap the inputs of a Megatron model's Transformer layers to host memory.
 
     Args:
         model: A ``GPTModel``, a ``TransformerBlock``, or the list of model chunks Megatron's
             schedules take (each may be wrapped in DDP / ``Float16Module``).
         config: Runtime knobs. Default: ``SwapConfig()``.
+        module_filter_fn: ``(module, fqn) -> bool``, asked per layer with its name in its
+            ``TransformerBlock`` (``"layers.3"``); layers it returns False for keep their input.
+            Default: ``None`` (every layer the recompute setting lets swap).
 
     Returns:
         A handle; ``handle.remove()`` restores every chunk exactly.
@@ -134,7 +138,8 @@ def enable(model: nn.Module | Iterable[nn.Module], *,
             if len(block.layers) == 0:
                 continue  # a pipeline stage may hold no layer
             handles.append(enable_swap_layer_input(block, layers=layers_to_swap(block),
-                                                   config=config))
+                                                   config=config,
+                                                   module_filter_fn=module_filter_fn))
     except BaseException:
         MegatronSwapHandle(handles).remove()
         raise

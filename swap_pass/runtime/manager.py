@@ -26,9 +26,11 @@ from typing import ClassVar
 import torch
 
 from swap_pass.config import SwapConfig, check_config
+from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.host_pool import block_bytes, preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.subclasses import claim_not_plain
 from swap_pass.runtime.swap_tensors import (
     D2H,
@@ -95,6 +97,13 @@ def _still_copying(copying: list[tuple[SwapLayerInputManager, weakref.ref[SwapTe
                 found.append((entry[0], group))
     del copying[kept:]
     return found
+
+
+def _opted_out(tensors: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+    """Count ``tensors`` as kept inside :func:`swap_pass.no_swap`; claim none of them."""
+    for t in tensors:
+        record_skip(SkipReason.NO_SWAP, t.numel() * t.element_size(), where=where)
+    return []
 
 
 def _renumber(layers: list[SwapLayerInputManager]) -> None:
@@ -244,8 +253,11 @@ class SwapLayerInputManager:
         ``leaves_owned``: see :func:`swap_pass.runtime.ownership.swappable_layer_inputs`.
         A ``DTensor`` or ``AsyncCollectiveTensor`` input gives its local tensor in its place;
         any other tensor that may not leave is counted by reason (see Note: [Swapping through
-        the local tensor] in ``swap_pass/runtime/subclasses.py``).
+        the local tensor] in ``swap_pass/runtime/subclasses.py``). Inside
+        :func:`swap_pass.no_swap` nothing is claimed (counted under ``SkipReason.NO_SWAP``).
         """
+        if not swap_allowed():
+            return _opted_out(tensors, self.name)
         valid = []  # a loop, not a comprehension: most calls pass one tensor
         for t in tensors:
             if is_valid_for_swap(t, self.custom_check_fn):

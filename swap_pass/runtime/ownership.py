@@ -322,21 +322,28 @@ def saved_aliases(tensors: Sequence[torch.Tensor], roots: Sequence[torch.Tensor]
     found: set[int] = set()
     stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
     seen: dict[int, object] = {}  # the nodes themselves: their ids stay theirs while we walk
+    wrapped: dict[int, list] = {}  # saved DTensors: [the DTensor, times saved] (see the Note)
     while stack and len(seen) < _MAX_NODES:
         node = stack.pop()
         if id(node) in seen or node._sequence_nr() < since:
             continue
         seen[id(node)] = node
-        _collect_saved(node, key, known, found)
+        _collect_saved(node, key, known, found, wrapped)
         if enough is not None and len(found) >= enough:
             break
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    for entry in wrapped.values():
+        local = _saved_local(entry)
+        if (local is not None and local.untyped_storage()._cdata == key
+                and local._cdata not in known):
+            found.add(local._cdata)
     return len(found)
 
 
-def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
+def _collect_saved(node, key: int, known: set[int], found: set[int],
+                   wrapped: dict[int, list]) -> None:
     """Add to ``found`` the saved tensors of ``node`` over storage ``key`` that only autograd
-    holds."""
+    holds; count the saved DTensors in ``wrapped`` (judged after the walk)."""
     for name in _saved_tensor_names(type(node)):
         raw = getattr(node, name, None)
         for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
@@ -344,6 +351,10 @@ def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
                     or saved.unpack_hook is not None):
                 continue
             data = saved.data
+            if data is not None and type(data) is not torch.Tensor:
+                entry = wrapped.setdefault(id(data), [data, 0])
+                entry[1] += 1
+                continue
             if (data is None or data._cdata in known or data._cdata in found
                     or data.untyped_storage()._cdata != key):
                 continue
@@ -351,6 +362,82 @@ def _collect_saved(node, key: int, known: set[int], found: set[int]) -> None:
                 found.add(data._cdata)
             else:
                 known.add(data._cdata)  # kept by someone: a holder the walk does not explain
+
+
+# Note: [Saved DTensor aliases]
+#     Under sequence parallel with plain activations between blocks (``use_local_output=True``,
+#     torchtitan up to 0.2), each ``SequenceParallel`` norm wraps the block's input with
+#     ``DTensor.from_local``: a DTensor whose local tensor is an alias of the input, which the
+#     norm's backward saves (inside the DTensor, once per node that saves it). That local tensor
+#     holds the input's storage, but it is autograd's own when nothing but the saved DTensor holds
+#     it and nothing but the saved variables the walk met hold that DTensor: both reference counts
+#     are as low as they can be. Anything more (a caller's DTensor over the same local tensor, a
+#     kept ``to_local()``, a saving node outside the walk) stays a holder. The first block's
+#     input is the embedding's ``AsyncCollectiveTensor``: there the DTensor's local tensor is an
+#     ``AsyncCollectiveTensor`` too, and its result must be held by it alone as well.
+
+
+def _excess_refs(entry: list) -> int:
+    """References to ``entry[0]`` beyond the ``entry[1]`` saved variables that hold it."""
+    data = entry[0]
+    return sys.getrefcount(data) - entry[1]
+
+
+def _measure_excess_refs() -> int:
+    """:func:`_excess_refs` of an object that one saved variable alone holds."""
+    saved_variable = [object()]
+    return _excess_refs([saved_variable[0], 1])
+
+
+_EXCESS_REFS = _measure_excess_refs()
+
+
+def _attr_refs(holder: object, attr: str) -> int:
+    """``sys.getrefcount`` of ``getattr(holder, attr)``, read the same way for every caller."""
+    value = getattr(holder, attr)
+    return sys.getrefcount(value)
+
+
+# Per wrapper class: _attr_refs of its inner tensor when the wrapper alone holds it (a DTensor
+# may keep more than one reference to its local tensor): measured once, on a fresh wrapper.
+_alone: dict[type, int] = {}
+
+
+def _refs_when_alone(wrapper: torch.Tensor, attr: str) -> int:
+    cls = type(wrapper)
+    if cls not in _alone:
+        if attr == "elem":  # an AsyncCollectiveTensor
+            fresh = cls(torch.empty(0))
+        else:  # a DTensor: its own spec, an empty local tensor
+            fresh = cls(torch.empty(0), wrapper._spec, requires_grad=False)
+        _alone[cls] = _attr_refs(fresh, attr)
+    return _alone[cls]
+
+
+def _inner_alone(wrapper: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor inside ``wrapper`` (a DTensor, an AsyncCollectiveTensor, or a DTensor
+    over one) when each level alone holds the next; None otherwise."""
+    from swap_pass.runtime.subclasses import is_async_collective, is_dtensor
+
+    for _ in range(2):  # a DTensor over an AsyncCollectiveTensor is two levels
+        if type(wrapper) is torch.Tensor:
+            return wrapper
+        attr = ("_local_tensor" if is_dtensor(wrapper) else
+                "elem" if is_async_collective(wrapper) else None)
+        if attr is None or _attr_refs(wrapper, attr) > _refs_when_alone(wrapper, attr):
+            return None
+        wrapper = getattr(wrapper, attr)
+    return wrapper if type(wrapper) is torch.Tensor else None
+
+
+def _saved_local(entry: list) -> torch.Tensor | None:
+    """The plain tensor inside a saved DTensor (``entry``: it and the times it was saved) that
+    only autograd holds (Note: [Saved DTensor aliases]); None for anything else."""
+    from swap_pass.runtime.subclasses import is_dtensor
+
+    if not is_dtensor(entry[0]) or _excess_refs(entry) > _EXCESS_REFS:
+        return None
+    return _inner_alone(entry[0])
 
 
 @functools.cache

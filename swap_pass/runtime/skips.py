@@ -39,6 +39,11 @@ class SkipReason(str, enum.Enum):
         NO_LAYERS: A model or graph in which no layer boundary was found.
         STREAM_CAPTURE: The compute stream was capturing a graph (CUDA graphs): a copy or free
             would be captured and replayed later.
+        NO_SWAP: Offered inside :func:`swap_pass.no_swap`, the user's opt-out.
+        MODULE_FILTER: Saved inside a module the user's ``module_filter_fn`` left out.
+        OFFLOAD_FALLBACK: A ``PREFER_CPU_OFFLOAD`` tag that could not be honoured (an op that
+            returns no tensor, or the backend's saved value is not the tagged node's output):
+            the tensor stays saved on the device.
     """
 
     USER_DATA = "user_data"
@@ -52,11 +57,15 @@ class SkipReason(str, enum.Enum):
     DYNAMIC_SHAPE = "dynamic_shape"
     NO_LAYERS = "no_layers"
     STREAM_CAPTURE = "stream_capture"
+    NO_SWAP = "no_swap"
+    MODULE_FILTER = "module_filter"
+    OFFLOAD_FALLBACK = "offload_fallback"
 
 
 # Reasons that are the user's own choice or the rule working as intended warn nowhere: their
 # counters are enough. The others cost the user a saving they asked for.
-_QUIET = frozenset({SkipReason.USER_DATA, SkipReason.TOO_SMALL, SkipReason.CUSTOM_CHECK})
+_QUIET = frozenset({SkipReason.USER_DATA, SkipReason.TOO_SMALL, SkipReason.CUSTOM_CHECK,
+                    SkipReason.NO_SWAP, SkipReason.MODULE_FILTER})
 
 _warned_lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from swap_pass.config import SwapConfig
+from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.swap_tensors import (
@@ -103,6 +104,7 @@ class SmartExecutor:
         self.state_ptrs: set[int] = set()
         self.where = "SmartSwap"
         self.fqn = lambda: ""
+        self.left_out = lambda fqn: False  # the user's module_filter_fn refuses the module
         self.in_forward = lambda: False
         self.candidates = lambda: ()
         self.record_planned = False
@@ -236,6 +238,12 @@ class SmartExecutor:
                 return t
             self._close_unit()  # a new forward after a backward: the next micro-batch
             self._begin_micro_batch()
+        if not swap_allowed():  # Note: [Opting out] in swap_pass/opt_out.py
+            record_skip(SkipReason.NO_SWAP, storage_nbytes(t), where=self.where)
+            return t
+        if self.left_out(self.fqn()):
+            record_skip(SkipReason.MODULE_FILTER, storage_nbytes(t), where=self.where)
+            return t
         local = local_of(t)  # Note: [Saved DTensors] in saved_local.py
         if type(local) is SkipReason:  # sparse, nested, other subclasses: never read a storage
             self._skip(t, local)

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
+from swap_pass.opt_out import ModuleFilter, check_module_filter
 from swap_pass.runtime import register_reset_hook
 from swap_pass.smart.executor import (
     ExecMode,
@@ -131,6 +133,18 @@ def _reset_active() -> None:
         smart._executor.forget_pending()
 
 
+def _left_out(model: nn.Module, module_filter_fn) -> Callable[[str], bool]:
+    """``fqn -> bool``: whether ``module_filter_fn`` refuses the module ``fqn`` or a parent of it
+    (asked once per name)."""
+    @functools.lru_cache(maxsize=None)
+    def refused(fqn: str) -> bool:
+        if fqn and refused(fqn.rpartition(".")[0]):
+            return True
+        return not module_filter_fn(model.get_submodule(fqn), fqn)
+
+    return refused
+
+
 class SmartSwap:
     """Adaptive swapping of saved activations under a memory budget (context manager).
 
@@ -141,6 +155,9 @@ class SmartSwap:
             ``(0, 1]`` of the unswapped saved-activation peak measured by the detailed profile.
         config: :class:`SmartSwapConfig`, or a :class:`~swap_pass.SwapConfig` for the runtime
             knobs alone. Default: ``SmartSwapConfig()``.
+        module_filter_fn: ``(module, fqn) -> bool``; a tensor saved while a module it returns
+            False for runs (that module, or one inside it down to ``callsite_depth``) stays with
+            autograd, counted under ``SkipReason.MODULE_FILTER``. Default: ``None`` (all).
 
     Attributes:
         stage: ``"warmup"``, ``"gen_policy"`` or ``"stable"`` (the stage of the coming step).
@@ -158,7 +175,8 @@ class SmartSwap:
     """
 
     def __init__(self, model: nn.Module, *, memory_budget: int | float,
-                 config: SmartSwapConfig | SwapConfig | None = None) -> None:
+                 config: SmartSwapConfig | SwapConfig | None = None,
+                 module_filter_fn: ModuleFilter = None) -> None:
         if isinstance(config, SwapConfig):
             config = SmartSwapConfig(swap=config)
         if config is not None and not isinstance(config, SmartSwapConfig):
@@ -172,6 +190,9 @@ class SmartSwap:
                                        match_window=config.match_window,
                                        miss_limit=config.miss_limit)
         self._executor.where = f"SmartSwap({type(model).__name__})"
+        check_module_filter(module_filter_fn, "SmartSwap")
+        if module_filter_fn is not None:
+            self._executor.left_out = _left_out(model, module_filter_fn)
         self.policy: SwapPolicy | None = None
         self.last_profile: DetailedProfile | None = None
         self.last_report: StepReport | None = None

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 STEPS = 3
+# "tp-sp-local": sequence parallel with plain local shards between blocks (torchtitan up to 0.2's
+# plans, the default use_local_output), no AC.
 SETUPS = ["ddp-before", "ddp-after", "fsdp2", "fsdp2-ac", "fsdp2-reshard-false", "tp-sp",
-          "tp-sp-ac", "tp-classic", "docs-recipe"]
+          "tp-sp-ac", "tp-sp-local", "tp-classic", "docs-recipe"]
 # Each block compiled with swap_pass.compile_layers (aot_eager), against the same compile without
 # swap: in their own process pair.
 COMPILE_SETUPS = ["fsdp2-compile-layers", "fsdp2-ac-compile-layers", "tp-sp-compile-layers"]
@@ -62,7 +64,9 @@ def _wrap(setup: str, model, mesh):
 
     from tests.distributed import models as m
     if setup.startswith("tp") or setup == "docs-recipe":  # torchtitan's order: TP, AC, DP
-        m.apply_tp(model, mesh, "classic" if setup.startswith("tp-classic") else "sp")
+        style = ("classic" if setup.startswith("tp-classic") else
+                 "sp-local" if setup.startswith("tp-sp-local") else "sp")
+        m.apply_tp(model, mesh, style)
     if setup.endswith("-ac") or "-ac-" in setup:  # checkpoint_wrapper per block
         for idx, block in enumerate(model.layers):
             model.layers[idx] = checkpoint_wrapper(block)

@@ -83,7 +83,10 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
     """``"sp"``: torchtitan's plan, sequence parallel, DTensor activations between blocks
     (``use_local_output=False`` on the projections back to the residual stream); ``"classic"``:
     Megatron-style TP without SP, the default ``use_local_output`` everywhere (the embedding's
-    all-reduce result reaches the first block as an ``AsyncCollectiveTensor``)."""
+    all-reduce result reaches the first block as an ``AsyncCollectiveTensor``); ``"sp-local"``:
+    sequence parallel with the default ``use_local_output`` (torchtitan up to 0.2): plain local
+    shards between blocks, which each ``SequenceParallel`` norm wraps with
+    ``DTensor.from_local``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -96,20 +99,23 @@ def apply_tp(model: TinyTitan, mesh, style: str) -> None:
         return {name: style for name, style in plan.items()
                 if getattr(model, name, None) is not None}
 
-    if style == "sp":
+    if style in ("sp", "sp-local"):
+        as_dtensor = style == "sp"  # "sp-local": plain local shards between blocks
         parallelize_module(model, mesh, outer({
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                              use_local_output=False),
+                                              use_local_output=not as_dtensor),
             "norm": SequenceParallel(),
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}))
         block_plan = {
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),),
                                             desired_input_layouts=(Replicate(),)),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1),
+                                            use_local_output=not as_dtensor),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),)),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1),
+                                               use_local_output=not as_dtensor)}
     else:
         parallelize_module(model, mesh,
                            outer({"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}))

@@ -54,3 +54,4 @@ def check(reports: list[dict], setup: str) -> None:
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)
+

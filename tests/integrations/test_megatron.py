@@ -79,6 +79,20 @@ def test_enable_is_exact_in_every_recompute_mode(recompute, method, k):
     assert not any(hasattr(layer, "swap_manager") for layer in model.decoder.layers)
 
 
+def test_enable_module_filter_leaves_the_refused_layer_alone():
+    cfg = mc.make_config(recompute="full", method="uniform", recompute_layers=1)
+    ref, model = mc.make_gpt(cfg), mc.make_gpt(cfg)
+    batch = mc.make_batch()
+    handle = sp_megatron.enable(model, module_filter_fn=lambda m, fqn: fqn != "layers.1")
+    layers = list(model.decoder.layers)
+    assert handle.layers == [layers[0], *layers[2:]]
+    got, freed = _step_watching(model, layers, batch)
+    assert freed == [True, False, True, False]
+    assert_exact(mc.train_step(ref, batch), got)
+    assert_clean()
+    handle.remove()
+
+
 def test_generic_enable_on_gpt_model_full_recompute():
     """``enable_swap_layer_input(gpt)`` alone: Megatron's layers re-enable grad inside the
     checkpoint's no-grad forward; the protocol reads grad mode at layer entry."""
