@@ -1,4 +1,5 @@
-"""A CPU-backed asynchronous test accelerator, registered as PrivateUse1 under the name ``swaptest``.
+"""A CPU-backed asynchronous test accelerator, registered as PrivateUse1 under the name
+``swaptest``.
 
 :func:`load_test_accelerator` compiles the C++ sources in ``csrc/`` with
 ``torch.utils.cpp_extension.load`` (once per torch version and source hash; the build is cached
@@ -14,7 +15,7 @@ What the device models (2 devices, memory in host RAM):
 * compute ops run through a CPU fallback on the calling thread, after the current stream's queue
   drained (so in stream order; compute itself is not asynchronous);
 * copies on a side stream (host to device, device to host, device to device) are queued on that
-  stream and start after a seeded delay (50-100 ms by default), or as soon as someone waits for
+  stream and start after a seeded delay (200-400 ms by default), or as soon as someone waits for
   them (an event wait or synchronize, a stream synchronize). A reader that did not wait reads
   what was there before: poison, or stale data. Copies on the default stream run at once;
 * a caching allocator with per-stream pools: a freed block returns to its allocating stream's
@@ -189,14 +190,14 @@ def _loaded() -> types.ModuleType:
 # --- knobs -----------------------------------------------------------------------------------
 
 
-def set_delay(enabled: bool = True, min_ms: float = 50.0, max_ms: float = 100.0) -> None:
+def set_delay(enabled: bool = True, min_ms: float = 200.0, max_ms: float = 400.0) -> None:
     """Set the delay before a queued side-stream copy starts (unless someone waits for it).
 
     Args:
         enabled: Whether copies are delayed at all. Default: ``True``.
-        min_ms: Shortest delay. Default: ``50.0``.
+        min_ms: Shortest delay. Default: ``200.0``.
         max_ms: Longest delay (each copy draws uniformly from the seeded generator). Default:
-            ``100.0``.
+            ``400.0``.
     """
     _loaded().set_delay(enabled, min_ms, max_ms)
 

@@ -151,6 +151,10 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
   return cpu_alias(self).item();
 }
 
+void record_stream_op(at::Tensor& self, c10::Stream stream) {
+  record_stream(self.storage().data_ptr(), stream);
+}
+
 // --- everything else: the CPU kernel, on CPU copies of the arguments ---------------------------
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -172,6 +176,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", &copy_from);
   m.impl("_copy_from_and_resize", &copy_from_and_resize);
   m.impl("_local_scalar_dense", &local_scalar_dense);
+  m.impl("record_stream", &record_stream_op);
   // Views alias their base: they must not go through the fallback (which copies).
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("view", TORCH_FN(at::native::view));

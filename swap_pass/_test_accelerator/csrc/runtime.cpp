@@ -122,8 +122,8 @@ Worker& worker(int device, StreamId stream) {
 struct DelaySettings {
   std::mutex mutex;
   bool enabled = true;
-  double min_ms = 50.0;
-  double max_ms = 100.0;
+  double min_ms = 200.0;
+  double max_ms = 400.0;
   uint64_t seed = 0;
   std::mt19937_64 rng{0};
 };
