@@ -146,6 +146,8 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.manual_seed = lambda seed: None
     mod.manual_seed_all = lambda seed: None
     mod.initial_seed = torch.initial_seed
+    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+    mod.is_bf16_supported = lambda including_emulation=True: True
     return mod
 
 
