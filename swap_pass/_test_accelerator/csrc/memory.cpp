@@ -101,7 +101,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     size_t size = block->size;
     enqueue(block->device, block->stream, [ptr, size] { std::memset(ptr, kPoison, size); },
             false);
-    pools_[{block->device, block->stream}].emplace(block->size, block);
+    return_to_pool(block);
   }
 
   void record_stream(Block* block, c10::Stream stream) {
@@ -173,6 +173,12 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     return block;
   }
 
+  // First among blocks of its size: the next fitting allocation takes the block freed last.
+  void return_to_pool(Block* block) {
+    auto& pool = pools_[{block->device, block->stream}];
+    pool.emplace_hint(pool.lower_bound(block->size), block->size, block);
+  }
+
   void process_pending() {
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (!all_done(it->second)) {
@@ -181,7 +187,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
       }
       Block* block = it->first;
       std::memset(block->ptr, kPoison, block->size);
-      pools_[{block->device, block->stream}].emplace(block->size, block);
+      return_to_pool(block);
       it = pending_.erase(it);
     }
   }
