@@ -15,9 +15,10 @@ What the device models (2 devices, memory in host RAM):
 * compute ops run through a CPU fallback on the calling thread, after the current stream's queue
   drained (so in stream order; compute itself is not asynchronous);
 * copies on a side stream (host to device, device to host, device to device) are queued on that
-  stream and start after a seeded delay (200-400 ms by default), or as soon as someone waits for
-  them (an event wait or synchronize, a stream synchronize). A reader that did not wait reads
-  what was there before: poison, or stale data. Copies on the default stream run at once;
+  stream and start after a seeded delay (200-400 ms by default), or as soon as the host waits
+  for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that waits
+  on them; a stream's ``wait_event`` alone does not start them). A reader that did not wait
+  reads what was there before: poison, or stale data. Copies on the default stream run at once;
 * a caching allocator with per-stream pools: a freed block returns to its allocating stream's
   pool at once and is filled with ``0xFF`` bytes (NaN in every floating dtype) in that stream's
   order; the next allocation of a fitting size on that stream reuses it; ``record_stream`` keeps it

@@ -55,6 +55,18 @@ class Worker {
     cv_.wait(lock, [&] { return completed_ >= seq; });
   }
 
+  // Wait up to `timeout` for the task at `seq`, without cancelling any delay.
+  bool wait_for(uint64_t seq, std::chrono::microseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return completed_ >= seq; });
+  }
+
+  // True when someone waits for the task this worker is running now.
+  bool hurried() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return hurry_ >= running_;
+  }
+
   uint64_t last() {
     std::lock_guard<std::mutex> lock(mutex_);
     return pushed_;
@@ -70,6 +82,7 @@ class Worker {
       cv_.wait_until(lock, not_before, [&] { return hurry_ >= seq; });
       Task task = std::move(queue_.front());
       queue_.pop_front();
+      running_ = task.seq;
       lock.unlock();
       try {
         task.fn();
@@ -88,6 +101,7 @@ class Worker {
   uint64_t pushed_ = 0;
   uint64_t completed_ = 0;
   uint64_t hurry_ = 0;
+  uint64_t running_ = 0;
   std::thread thread_;
 };
 
@@ -156,6 +170,19 @@ uint64_t enqueue(int device, StreamId stream, std::function<void()> fn, bool del
 bool is_done(int device, StreamId stream, uint64_t seq) { return worker(device, stream).done(seq); }
 
 void wait_done(int device, StreamId stream, uint64_t seq) { worker(device, stream).wait(seq); }
+
+// A stream waiting on another stream's event does not make that stream's delayed copies start:
+// only a host that waits (for this stream, directly or through others) does.
+void wait_on_behalf(int device, StreamId stream, int src_device, StreamId src, uint64_t seq) {
+  Worker& self = worker(device, stream);
+  Worker& other = worker(src_device, src);
+  while (!other.wait_for(seq, std::chrono::microseconds(500))) {
+    if (self.hurried()) {
+      other.wait(seq);
+      return;
+    }
+  }
+}
 
 void drain(int device, StreamId stream) {
   Worker& w = worker(device, stream);
@@ -288,7 +315,8 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     int src_dev = e->device;
     StreamId src = e->stream;
     uint64_t seq = e->seq;
-    enqueue(dev, stream.id(), [=] { wait_done(src_dev, src, seq); }, false);
+    StreamId waiter = stream.id();
+    enqueue(dev, waiter, [=] { wait_on_behalf(dev, waiter, src_dev, src, seq); }, false);
   }
   bool queryEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);

@@ -3,7 +3,7 @@
 // Memory lives in host RAM. Each stream of a device is a FIFO of tasks run by a worker thread of
 // its own; compute ops run on the calling thread once the current stream's queue is drained, so
 // they run in stream order. Copies issued on a side stream are queued there and start after a
-// seeded delay (skipped as soon as someone waits for them), so a missing wait reads stale bytes.
+// seeded delay (cut short once the host waits for them), so a missing wait reads stale bytes.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -28,7 +28,7 @@ using c10::StreamId;
 // --- streams (runtime.cpp) ---------------------------------------------------------------------
 
 // Queue `fn` on a stream; returns its position. A `delayed` task starts after the copy delay,
-// or as soon as someone waits for it.
+// or once the host waits for it (directly, or through streams that wait on it).
 uint64_t enqueue(int device, StreamId stream, std::function<void()> fn, bool delayed);
 // True when the task at `seq` (and everything before it on that stream) has run.
 bool is_done(int device, StreamId stream, uint64_t seq);
