@@ -120,11 +120,12 @@ def _build() -> types.ModuleType:
             build_directory=str(build_dir),
             verbose=False,
         )
-    except Exception as exc:  # compiler or linker error: say where the log is
+    except Exception as exc:  # compiler or linker error: the end of its output says why
+        log = str(exc)[-2000:]
         raise TestAcceleratorUnavailable(
             f"swap_pass.testing.load_test_accelerator: building the extension in {build_dir} "
-            f"failed ({type(exc).__name__}: {exc}). A C++17 compiler and the torch headers "
-            "must be present.") from exc
+            f"failed ({type(exc).__name__}; end of the log: {log}). A C++17 compiler and the "
+            "torch headers must be present.") from exc
 
 
 # --- registering -----------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from swap_pass import _test_accelerator as device_knobs
 from ..conftest import ACCELERATOR, TEST_ACCELERATOR_SKIP
 
 ON_TEST_ACCELERATOR = ACCELERATOR == device_knobs.DEVICE_TYPE
-needs_test_accelerator = pytest.mark.skipif(not ON_TEST_ACCELERATOR, reason=TEST_ACCELERATOR_SKIP)
+# Every test here runs on the device (marked `accelerator`, as the device-parametrized tests).
+needs_test_accelerator = [pytest.mark.accelerator,
+                          pytest.mark.skipif(not ON_TEST_ACCELERATOR, reason=TEST_ACCELERATOR_SKIP)]
 
 # A delay no test step reaches: a copy nobody waited for has surely not run when it is read,
 # and a copy someone waits for runs at once, so these tests depend on no timing.
