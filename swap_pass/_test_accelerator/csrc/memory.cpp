@@ -199,7 +199,8 @@ class DeviceAllocator final : public c10::DeviceAllocator {
   std::unordered_map<std::string, int64_t> counters_[kNumDevices];
 };
 
-DeviceAllocator device_allocator_;
+// Both allocators live as long as the process: tensors may be freed after static destructors ran.
+DeviceAllocator& device_allocator_ = *new DeviceAllocator();
 
 void free_device_block(void* ctx) {
   if (ctx != nullptr) device_allocator_.free(static_cast<Block*>(ctx));
@@ -343,7 +344,7 @@ class HostAllocator final : public at::HostAllocator {
   int64_t in_use_ = 0, requested_ = 0, peak_in_use_ = 0, reserved_ = 0, fresh_ = 0;
 };
 
-HostAllocator host_allocator_;
+HostAllocator& host_allocator_ = *new HostAllocator();
 
 void free_host_block(void* ctx) {
   if (ctx != nullptr) host_allocator_.free(static_cast<HostBlock*>(ctx));
