@@ -15,6 +15,10 @@ Mutations (default: all):
   abandon_wait    a copy out abandoned by restore() from "d2h" is not waited for by compute
   death_waits     a graph op's tensor that dies before its wait (a swap_out source, a prefetch
                   output) no longer orders compute after its copy
+With ``--device`` the tests run on the test accelerator instead (``SWAP_PASS_TEST_ACCELERATOR=1``:
+the CPU-backed PrivateUse1 device of ``swap_pass.testing.load_test_accelerator``, whose side-stream
+copies really run later): only the tests that run on the device (marked ``accelerator``), by
+default those of ``tests/accelerator tests/runtime``.
 Prints one line per mutation: the pytest summary and whether it failed as it must.
 Exit status: 0 when every mutation failed its tests and ``none`` passed.
 """
@@ -64,6 +68,7 @@ MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
     ],
 }
 DEFAULT_TESTS = ["tests/runtime", "tests/graph/test_ops.py"]
+DEVICE_TESTS = ["tests/accelerator", "tests/runtime"]
 
 
 def _copy_tree(dst: Path) -> None:
@@ -87,14 +92,17 @@ def _mutate(tree: Path, edits: list[tuple[str, str, str, int]]) -> None:
         path.write_text(source.replace(text, replacement))
 
 
-def run(mutation: str, tests: list[str]) -> tuple[bool, str]:
-    """Run ``tests`` on a mutated copy; return (as expected, pytest's summary line)."""
+def run(mutation: str, tests: list[str], device: bool = False) -> tuple[bool, str]:
+    """Run ``tests`` on a mutated copy (under the stream model, or on the test accelerator when
+    ``device``); return (as expected, pytest's summary line)."""
     with tempfile.TemporaryDirectory(prefix="swap_pass_mutation_") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
         _mutate(tree, MUTATIONS[mutation])
-        env = {**os.environ, "PYTHONPATH": str(tree), "SWAP_PASS_STREAM_MODEL": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p",
+        mode = "SWAP_PASS_TEST_ACCELERATOR" if device else "SWAP_PASS_STREAM_MODEL"
+        env = {**os.environ, "PYTHONPATH": str(tree), mode: "1"}
+        marks = "accelerator and not slow" if device else "not slow"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", marks, "-p",
                                "no:cacheprovider", *tests], cwd=tree, env=env, capture_output=True,
                               text=True)
     lines = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
@@ -106,15 +114,18 @@ def run(mutation: str, tests: list[str]) -> tuple[bool, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mutations", nargs="*", help=f"some of {list(MUTATIONS)}; default: all")
-    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS)
+    parser.add_argument("--tests", nargs="+", default=None)
+    parser.add_argument("--device", action="store_true",
+                        help="run on the test accelerator instead of the stream model")
     args = parser.parse_args()
+    args.tests = args.tests or (DEVICE_TESTS if args.device else DEFAULT_TESTS)
     unknown = set(args.mutations) - set(MUTATIONS)
     if unknown:
         parser.error(f"unknown mutation(s) {sorted(unknown)}; choose from {list(MUTATIONS)}")
     args.mutations = args.mutations or list(MUTATIONS)
     ok = True
     for mutation in args.mutations:
-        expected, summary = run(mutation, args.tests)
+        expected, summary = run(mutation, args.tests, args.device)
         ok &= expected
         verdict = "as it must" if expected else "NOT AS IT MUST"
         print(f"{mutation}: {summary} ({verdict})", flush=True)

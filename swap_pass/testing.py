@@ -106,6 +106,22 @@ Example::
 
 The test suite runs entirely under the model with ``SWAP_PASS_STREAM_MODEL=1`` (or pytest's
 ``--stream-model``).
+
+Test accelerator: :func:`load_test_accelerator` builds (once, cached under
+``~/.cache/swap_pass/``; a C++ compiler and ``ninja`` are needed) and registers ``swaptest``, a
+CPU-backed PrivateUse1 device whose side-stream copies really run later on worker threads, with a
+caching allocator that hands a freed block back to its stream at once, poisoned, a resize hook
+with failure injection and pinned host memory. Run your own training loop on it to see a missing
+stream wait as wrong numbers::
+
+    from swap_pass.testing import load_test_accelerator
+
+    device = load_test_accelerator()   # "swaptest"; torch.accelerator now reports it
+    model = MyModel().to(device)
+    loss = model(batch.to(device)).sum(); loss.backward()   # compare with a run without swap
+
+Its knobs (copy delay and seed, resize failures, allocator and pinned statistics) live in
+``swap_pass._test_accelerator``.
 """
 
 from __future__ import annotations
@@ -120,6 +136,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from swap_pass._test_accelerator import load_test_accelerator
 from swap_pass.runtime import device as _device
 from swap_pass.runtime.host_pool import host_pool
 
@@ -131,6 +148,7 @@ __all__ = [
     "StreamModel",
     "StreamRaceError",
     "inject_failures",
+    "load_test_accelerator",
     "poison_",
     "stream_model",
 ]

@@ -8,8 +8,22 @@ import pytest
 import torch
 
 import swap_pass
+from swap_pass._test_accelerator import TestAcceleratorUnavailable
 from swap_pass.runtime.device import accelerator_type
-from swap_pass.testing import stream_model
+from swap_pass.testing import load_test_accelerator, stream_model
+
+# SWAP_PASS_TEST_ACCELERATOR=1: load the CPU-backed test accelerator ("swaptest") before anything
+# asks which accelerator is present, so the tests parametrized over `device` run on it. Nothing
+# else loads it: once registered, it is the accelerator of the whole process.
+TEST_ACCELERATOR_ENV = "SWAP_PASS_TEST_ACCELERATOR"
+TEST_ACCELERATOR_REQUESTED = os.environ.get(TEST_ACCELERATOR_ENV, "") not in ("", "0")
+TEST_ACCELERATOR_SKIP = (f"the test accelerator loads only in its own pass "
+                         f"({TEST_ACCELERATOR_ENV}=1)")
+if TEST_ACCELERATOR_REQUESTED:
+    try:
+        load_test_accelerator()
+    except TestAcceleratorUnavailable as exc:
+        TEST_ACCELERATOR_SKIP = str(exc)
 
 ACCELERATOR = accelerator_type()
 HAS_ACCELERATOR = ACCELERATOR != "cpu"

@@ -1,0 +1,257 @@
+"""A CPU-backed asynchronous test accelerator, registered as PrivateUse1 under the name
+``swaptest``.
+
+:func:`load_test_accelerator` compiles the C++ sources in ``csrc/`` with
+``torch.utils.cpp_extension.load`` (once per torch version and source hash; the build is cached
+under ``~/.cache/swap_pass/test_accelerator/``, or ``$SWAP_PASS_TEST_ACCELERATOR_CACHE``), loads
+them and registers the device. After it, ``torch.accelerator.is_available()`` is True and
+``torch.accelerator.current_accelerator().type == "swaptest"``.
+
+What the device models (2 devices, memory in host RAM):
+
+* streams and events through the device guard: a default stream and a pool of 32 side streams per
+  device (``torch.Stream(device=...)`` takes the next one, round robin), each a FIFO run by a
+  worker thread of its own; events record, wait, query, synchronize and time;
+* compute ops run through a CPU fallback on the calling thread, after the current stream's queue
+  drained (so in stream order; compute itself is not asynchronous);
+* copies on a side stream (host to device, device to host, device to device) are queued on that
+  stream and start after a seeded delay (200-400 ms by default), or as soon as the host waits
+  for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that waits
+  on them; a stream's ``wait_event`` alone does not start them). A reader that did not wait
+  reads what was there before: poison, or stale data. Copies on the default stream run at once;
+* a caching allocator with per-stream pools: a freed block returns to its allocating stream's
+  pool at once and is filled with ``0xFF`` bytes (NaN in every floating dtype) in that stream's
+  order; the next allocation of a fitting size on that stream reuses it; ``record_stream`` keeps it
+  out of the pool until the streams it names ran what they had queued; fresh blocks are poisoned
+  too; ``untyped_storage().resize_()`` goes through the PrivateUse1 resize hook, with failure
+  injection (:func:`fail_nth_resize`, :func:`mark_not_resizable`);
+* pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``, ``is_pinned()``) from a caching
+  host allocator that rounds each block up to a power of two, as CUDA's does; a block is not
+  handed out again before the queued copies that use it ran. :func:`pinned_stats` reports the
+  rounded bytes in use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import threading
+import types
+
+import torch
+
+__all__ = [
+    "DEVICE_TYPE",
+    "TestAcceleratorUnavailable",
+    "delay_settings",
+    "empty_cache",
+    "fail_nth_resize",
+    "load_test_accelerator",
+    "mark_not_resizable",
+    "memory_stats",
+    "pinned_stats",
+    "resize_calls",
+    "set_delay",
+    "set_seed",
+    "synchronize",
+]
+
+DEVICE_TYPE = "swaptest"
+CACHE_ENV = "SWAP_PASS_TEST_ACCELERATOR_CACHE"
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_SOURCES = ("runtime.cpp", "memory.cpp", "ops.cpp")
+
+_lock = threading.Lock()
+_ext: types.ModuleType | None = None
+
+
+class TestAcceleratorUnavailable(RuntimeError):
+    """The test accelerator cannot be built here (no C++ compiler, no ninja, a build error)."""
+
+    __test__ = False  # not a pytest test class
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_directory() -> pathlib.Path:
+    """Where the extension is built: one folder per torch version and source hash."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "swap_pass", "test_accelerator")
+    tag = f"torch-{torch.__version__.replace('+', '_')}-{_source_hash()}"
+    return pathlib.Path(root) / tag
+
+
+def _check_toolchain() -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise TestAcceleratorUnavailable(
+            f"swap_pass.testing.load_test_accelerator: no C++ compiler found ({compiler!r} is "
+            "not on PATH). Install g++ or clang, or set CXX.")
+    if not cpp_extension.is_ninja_available():
+        raise TestAcceleratorUnavailable(
+            "swap_pass.testing.load_test_accelerator: ninja is not available. "
+            "Install it with `pip install ninja`.")
+
+
+def _build() -> types.ModuleType:
+    from torch.utils import cpp_extension
+
+    _check_toolchain()
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="swap_pass_test_accelerator",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=["-O1"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # compiler or linker error: the end of its output says why
+        log = str(exc)[-2000:]
+        raise TestAcceleratorUnavailable(
+            f"swap_pass.testing.load_test_accelerator: building the extension in {build_dir} "
+            f"failed ({type(exc).__name__}; end of the log: {log}). A C++17 compiler and the "
+            "torch headers must be present.") from exc
+
+
+# --- registering -----------------------------------------------------------------------------
+
+
+def _device_module(ext: types.ModuleType) -> types.ModuleType:
+    """``torch.swaptest``: what torch looks up on a device's module (RNG, counts, sync)."""
+    mod = types.ModuleType(f"torch.{DEVICE_TYPE}")
+    mod.is_available = lambda: True
+    mod.is_initialized = lambda: True
+    mod._is_in_bad_fork = lambda: False
+    mod.device_count = ext.device_count
+    mod.current_device = torch.accelerator.current_device_index
+    mod.set_device = torch.accelerator.set_device_index
+    mod.synchronize = lambda device=None: torch.accelerator.synchronize(device)
+    mod.current_stream = lambda device=None: torch.accelerator.current_stream(device)
+    # Random numbers of device tensors come from the CPU generator (every op runs on CPU).
+    mod.get_rng_state = lambda device=None: torch.get_rng_state()
+    mod.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
+    mod.manual_seed = lambda seed: None
+    mod.manual_seed_all = lambda seed: None
+    mod.initial_seed = torch.initial_seed
+    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+    mod.is_bf16_supported = lambda including_emulation=True: True
+    return mod
+
+
+def _register(ext: types.ModuleType) -> None:
+    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+    torch._register_device_module(DEVICE_TYPE, _device_module(ext))
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_storage=True)
+
+
+def load_test_accelerator() -> str:
+    """Build (once, cached), load and register the test accelerator; return its device type.
+
+    Idempotent. Raises :class:`TestAcceleratorUnavailable` where it cannot be built, and
+    ``RuntimeError`` where another PrivateUse1 backend is registered already.
+
+    Returns:
+        ``"swaptest"``.
+    """
+    global _ext
+    with _lock:
+        if _ext is not None:
+            return DEVICE_TYPE
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", DEVICE_TYPE):
+            raise RuntimeError(
+                "swap_pass.testing.load_test_accelerator: PrivateUse1 is registered as "
+                f"{current!r} already. Only one PrivateUse1 backend can exist in a process.")
+        ext = _build()
+        _register(ext)
+        _ext = ext
+        return DEVICE_TYPE
+
+
+def _loaded() -> types.ModuleType:
+    if _ext is None:
+        raise RuntimeError("swap_pass._test_accelerator: the device is not loaded. "
+                           "Call swap_pass.testing.load_test_accelerator() first.")
+    return _ext
+
+
+# --- knobs -----------------------------------------------------------------------------------
+
+
+def set_delay(enabled: bool = True, min_ms: float = 200.0, max_ms: float = 400.0) -> None:
+    """Set the delay before a queued side-stream copy starts (unless someone waits for it).
+
+    Args:
+        enabled: Whether copies are delayed at all. Default: ``True``.
+        min_ms: Shortest delay. Default: ``200.0``.
+        max_ms: Longest delay (each copy draws uniformly from the seeded generator). Default:
+            ``400.0``.
+    """
+    _loaded().set_delay(enabled, min_ms, max_ms)
+
+
+def set_seed(seed: int) -> None:
+    """Seed the generator the copy delays are drawn from (the default seed is 0)."""
+    _loaded().set_seed(seed)
+
+
+def delay_settings() -> dict[str, float]:
+    """The delay settings: ``enabled`` (1.0 or 0.0), ``min_ms``, ``max_ms``, ``seed``."""
+    return dict(_loaded().delay_settings())
+
+
+def fail_nth_resize(n: int) -> None:
+    """Make the ``n``-th storage resize from now on (1 = the next) raise; 0 disarms."""
+    _loaded().fail_nth_resize(n)
+
+
+def resize_calls() -> int:
+    """How many storage resizes went through the resize hook so far."""
+    return _loaded().resize_calls()
+
+
+def mark_not_resizable(tensor: torch.Tensor) -> None:
+    """Make every resize of ``tensor``'s device storage raise, as a device does for storages
+    it cannot resize (a private memory format). The mark ends when the block is freed."""
+    _loaded().mark_not_resizable(tensor)
+
+
+def memory_stats(device: int = 0) -> dict[str, int]:
+    """Device allocator counters: ``allocated_bytes``, ``peak_allocated_bytes``,
+    ``reserved_bytes``, ``fresh_blocks``, ``reused_blocks``, ``pending_blocks``."""
+    return dict(_loaded().memory_stats(device))
+
+
+def pinned_stats() -> dict[str, int]:
+    """Pinned host allocator counters: ``pinned_bytes_in_use`` (rounded up to powers of two),
+    ``requested_bytes_in_use``, ``peak_pinned_bytes_in_use``, ``pinned_bytes_reserved`` and
+    ``fresh_blocks``."""
+    return dict(_loaded().pinned_stats())
+
+
+def empty_cache() -> None:
+    """Wait for every stream, then free the cached device and pinned blocks."""
+    ext = _loaded()
+    ext.empty_cache()
+    ext.empty_pinned_cache()
+
+
+def synchronize(device: int = -1) -> None:
+    """Wait until every stream of ``device`` (all devices when -1) ran what it has queued."""
+    _loaded().synchronize(device)

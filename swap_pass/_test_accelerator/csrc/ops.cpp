@@ -1,0 +1,213 @@
+// ATen kernels of the test accelerator (allocation, views, copies), the CPU fallback for every
+// other op, and the Python knobs.
+#include "swaptest.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace swaptest {
+namespace {
+
+constexpr auto kDevice = c10::DeviceType::PrivateUse1;
+
+int device_index(const at::Tensor& t) {
+  return t.device().has_index() ? t.device().index() : current_device();
+}
+
+// --- allocation --------------------------------------------------------------------------------
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout>, std::optional<at::Device> device,
+                               std::optional<bool>,
+                               std::optional<at::MemoryFormat> memory_format) {
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_generic(size, device_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
+                         std::optional<at::Device> device, std::optional<bool>) {
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_strided_generic(size, stride, device_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+// Resize a tensor; a larger storage goes through the resize hook (stream-ordered copy).
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<at::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  at::native::resize_impl_cpu_(impl, size, std::nullopt, /*resize_storage=*/false);
+  if (memory_format.has_value() && *memory_format != at::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  const size_t needed = (self.storage_offset() + self.numel()) * self.itemsize();
+  if (self.numel() > 0 && needed > self.storage().nbytes()) {
+    resize_storage_bytes(self.storage(), needed);
+  }
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source, int64_t offset,
+                               c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, std::move(source), offset, size, stride);
+}
+
+at::Tensor& set_storage_only(at::Tensor& self, at::Storage source) {
+  const int64_t numel = static_cast<int64_t>(source.nbytes() / self.itemsize());
+  return at::native::set_storage_cpu_(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  return at::native::set_tensor_(self, source);
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), 0, device_allocator(), /*resizable=*/true);
+  return at::native::set_storage_cpu_(self, at::Storage(std::move(storage)), 0, {0}, {});
+}
+
+// --- copies ------------------------------------------------------------------------------------
+
+// A CPU tensor over the same bytes (no copy): how host code reads device memory.
+at::Tensor cpu_alias(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [](void*) {},
+                       t.options().device(at::kCPU));
+}
+
+bool plain(const at::Tensor& src, const at::Tensor& dst) {
+  return src.dtype() == dst.dtype() && src.sizes() == dst.sizes() && src.is_contiguous() &&
+         dst.is_contiguous() && !src.is_conj() && !dst.is_conj() && !src.is_neg() &&
+         !dst.is_neg();
+}
+
+// Copies with a layout or dtype change run on the host once the current streams drained.
+void copy_on_host(const at::Tensor& src, const at::Tensor& dst) {
+  for (const auto* t : {&src, &dst}) {
+    if (t->device().type() == kDevice) drain(device_index(*t), current_stream_id(device_index(*t)));
+  }
+  at::Tensor s = src.device().type() == kDevice ? cpu_alias(src) : src;
+  at::Tensor d = dst.device().type() == kDevice ? cpu_alias(dst) : dst;
+  d.copy_(s);
+}
+
+// A copy on the default stream runs now, in stream order. On a side stream it is queued and
+// starts after the copy delay; the host waits for it unless the host side is pinned and
+// non_blocking was asked for, or both sides are on the device (as on CUDA).
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (self.numel() == 0) return dst;
+  if (!plain(self, dst)) {
+    copy_on_host(self, dst);
+    return dst;
+  }
+  const at::Tensor& dev_side = self.device().type() == kDevice ? self : dst;
+  const int dev = device_index(dev_side);
+  const StreamId stream = current_stream_id(dev);
+  const bool d2d = self.device().type() == kDevice && dst.device().type() == kDevice;
+  if (d2d && device_index(dst) != dev) drain(device_index(dst), current_stream_id(device_index(dst)));
+  void* out = dst.data_ptr();
+  const void* in = self.data_ptr();
+  const size_t n = self.nbytes();
+  if (stream == 0) {
+    drain(dev, 0);
+    std::memcpy(out, in, n);
+    return dst;
+  }
+  const uint64_t seq = enqueue(dev, stream, [out, in, n] { std::memcpy(out, in, n); }, true);
+  const void* host = d2d ? nullptr : (self.device().type() == kDevice ? out : in);
+  if (d2d) return dst;
+  if (non_blocking && is_pinned_ptr(host)) {
+    pinned_record_use(host, dev, stream, seq);
+    return dst;
+  }
+  wait_done(dev, stream, seq);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  drain(device_index(self), current_stream_id(device_index(self)));
+  return cpu_alias(self).item();
+}
+
+void record_stream_op(at::Tensor& self, c10::Stream stream) {
+  record_stream(self.storage().data_ptr(), stream);
+}
+
+// --- everything else: the CPU kernel, on CPU copies of the arguments ---------------------------
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  at::native::cpu_fallback(op, stack);
+}
+
+}  // namespace
+}  // namespace swaptest
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  using namespace swaptest;
+  m.impl("empty.memory_format", &empty_memory_format);
+  m.impl("empty_strided", &empty_strided);
+  m.impl("resize_", &swaptest::resize_);
+  m.impl("set_.source_Storage_storage_offset", &set_source_storage);
+  m.impl("set_.source_Storage", &set_storage_only);
+  m.impl("set_.source_Tensor", &set_tensor);
+  m.impl("set_", &set_empty);
+  m.impl("_copy_from", &copy_from);
+  m.impl("_copy_from_and_resize", &copy_from_and_resize);
+  m.impl("_local_scalar_dense", &local_scalar_dense);
+  m.impl("record_stream", &record_stream_op);
+  // Views alias their base: they must not go through the fallback (which copies).
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("alias", TORCH_FN(at::native::alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
+  m.impl("view_as_real", TORCH_FN(at::native::view_as_real));
+  m.impl("view_as_complex", TORCH_FN(at::native::view_as_complex));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&swaptest::fallback>());
+}
+
+// --- Python knobs ------------------------------------------------------------------------------
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace swaptest;
+  m.def("device_count", [] { return kNumDevices; });
+  m.def("set_delay", &set_delay, py::arg("enabled"), py::arg("min_ms"), py::arg("max_ms"));
+  m.def("set_seed", &set_seed, py::arg("seed"));
+  m.def("delay_settings", &delay_settings);
+  m.def("fail_nth_resize", &fail_nth_resize, py::arg("n"));
+  m.def("resize_calls", &resize_calls);
+  m.def("mark_not_resizable", [](const at::Tensor& t) { mark_not_resizable(t.storage()); });
+  m.def("memory_stats", &memory_stats, py::arg("device"));
+  m.def("pinned_stats", &pinned_stats);
+  m.def("empty_cache", &empty_device_cache);
+  m.def("empty_pinned_cache", &empty_pinned_cache);
+  m.def("synchronize", [](int device) {
+    py::gil_scoped_release no_gil;
+    if (device < 0) drain_all(); else drain_device(device);
+  }, py::arg("device") = -1);
+}
