@@ -42,6 +42,8 @@ import types
 
 import torch
 
+from swap_pass.runtime.device import register_free_check
+
 __all__ = [
     "DEVICE_TYPE",
     "TestAcceleratorUnavailable",
@@ -158,6 +160,14 @@ def _register(ext: types.ModuleType) -> None:
     torch._register_device_module(DEVICE_TYPE, _device_module(ext))
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True)
+    # As torch_npu's private formats: the runtime asks before a swap (Note: [Storages a device
+    # cannot free] in swap_pass/runtime/device.py).
+    register_free_check(DEVICE_TYPE, lambda t: _NOT_RESIZABLE if ext.is_marked_not_resizable(t)
+                        else None)
+
+
+_NOT_RESIZABLE = ("the test accelerator marks its storage not resizable "
+                  "(swap_pass._test_accelerator.mark_not_resizable)")
 
 
 def load_test_accelerator() -> str:

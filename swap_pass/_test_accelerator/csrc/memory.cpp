@@ -420,6 +420,11 @@ void mark_not_resizable(const c10::Storage& storage) {
   block->not_resizable = true;
 }
 
+bool is_marked_not_resizable(const c10::Storage& storage) {
+  Block* block = block_of(storage.data_ptr());
+  return block != nullptr && block->not_resizable;
+}
+
 std::unordered_map<std::string, int64_t> memory_stats(int device) {
   return device_allocator_.stats(device);
 }

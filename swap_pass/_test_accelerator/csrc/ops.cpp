@@ -202,6 +202,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fail_nth_resize", &fail_nth_resize, py::arg("n"));
   m.def("resize_calls", &resize_calls);
   m.def("mark_not_resizable", [](const at::Tensor& t) { mark_not_resizable(t.storage()); });
+  m.def("is_marked_not_resizable",
+        [](const at::Tensor& t) { return is_marked_not_resizable(t.storage()); });
   m.def("memory_stats", &memory_stats, py::arg("device"));
   m.def("pinned_stats", &pinned_stats);
   m.def("empty_cache", &empty_device_cache);

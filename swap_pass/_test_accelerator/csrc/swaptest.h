@@ -66,6 +66,7 @@ constexpr unsigned char kPoison = 0xFF;
 void fail_nth_resize(int64_t n);
 int64_t resize_calls();
 void mark_not_resizable(const c10::Storage& storage);
+bool is_marked_not_resizable(const c10::Storage& storage);
 std::unordered_map<std::string, int64_t> memory_stats(int device);
 std::unordered_map<std::string, int64_t> pinned_stats();
 void empty_device_cache();
