@@ -41,7 +41,9 @@ class Pair:
         self.device = device
 
     def step(self, smart: SmartSwap, seq: int = SEQ, batch: int = BATCH,
-             seed: int = 0) -> SavedBytesCounter:
+             seed: int = 0, between=None) -> SavedBytesCounter:
+        """One step of both models, compared bitwise; ``between()`` runs after the swapped
+        model's forward, before its backward."""
         ids, labels = make_batch(self.model.cfg, batch, seq, seed=seed, device=self.device)
         with no_hooks():
             ref_loss = self.ref(ids, labels)
@@ -49,6 +51,8 @@ class Pair:
         with SavedBytesCounter(self.model) as counter:
             loss = self.model(ids, labels)
             counter.sample()
+            if between is not None:
+                between()
             loss.backward()
         assert torch.equal(loss, ref_loss)
         for p, q in zip(self.model.parameters(), self.ref.parameters(), strict=True):
