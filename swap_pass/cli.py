@@ -24,6 +24,10 @@ _DESCRIPTION = ("swap_pass command line: demo (a small model trained with and wi
 def _device(name: str | None) -> torch.device:
     from swap_pass.runtime.device import accelerator_type
 
+    if name is not None and name.split(":")[0] == "swaptest":  # the test accelerator
+        from swap_pass.testing import load_test_accelerator
+
+        load_test_accelerator()
     return torch.device(name or accelerator_type())
 
 
@@ -41,7 +45,9 @@ def _add_sizes(p: argparse.ArgumentParser, bench: bool) -> None:
     p.add_argument("--seq", type=int, help="sequence length " + default(base.seq))
     p.add_argument("--batch", type=int, help="micro-batch size " + default(base.batch))
     p.add_argument("--device",
-                   help="cpu, cuda, npu... (default: the accelerator if one is present, else cpu)")
+                   help="cpu, cuda, npu... or swaptest (the CPU-backed test accelerator of "
+                        "swap_pass.testing: its times mean nothing) (default: the accelerator if "
+                        "one is present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op CPU threads while measuring, fixed so runs compare (default: 1)")

@@ -47,7 +47,8 @@ def describe_machine(device: torch.device) -> str:
     cpu = f"{os.cpu_count()} CPU cores, {platform.machine()}"
     if device.type == "cpu":
         return cpu
-    name = torch.get_device_module(device.type).get_device_name(device)
+    get_name = getattr(torch.get_device_module(device.type), "get_device_name", None)
+    name = get_name(device) if get_name is not None else device.type  # not every backend names it
     return f"{name}; {cpu}"
 
 
