@@ -227,6 +227,9 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                        host_rows=not args.no_host_rows, threads=args.threads,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
     print(format_report(report))
+    if not args.json and not args.plot:
+        print("(--json PATH writes this report as JSON, with the memory plot beside it; "
+              "--plot PATH writes the plot alone)")
     if args.megatron:
         from swap_pass.bench.megatron import format_megatron, megatron_section
         report.extra["megatron"] = megatron_section(device)

@@ -218,7 +218,8 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
     """Run the selected methods (default: all) and return the report.
 
     Args:
-        progress: Called with each method's label before it runs. Default: ``None``.
+        progress: Called with each method's label before it runs, and with the name of each
+            later phase (SmartSwap's own rows, host CPU time) before it starts. Default: ``None``.
         on_step: Called after every training step of every method. Default: ``None``.
         smart_rows: Also run SmartSwap's own rows (:func:`smart_extra_rows`). Default: ``True``.
         host_rows: Also measure host CPU time per layer (:func:`host_cost_rows`). Default: ``True``.
@@ -228,9 +229,13 @@ def run_bench(preset: BenchPreset, ctx: BenchContext, *, methods: Iterable[str] 
         report = _run(preset, ctx, select_methods(methods), seed, smart_budget_fraction, progress,
                       on_step)
         report.meta.update(command=command, threads=torch.get_num_threads())
+        if smart_rows and progress is not None:
+            progress("SmartSwap's own rows (profiler overhead, budget steps, varying lengths)")
         with quiet_profiler():  # SmartSwap's rows run torch.profiler too
             report.extra = smart_extra_rows() if smart_rows else \
                 {"status": "skipped", "reason": "--no-smart-rows", "rows": []}
+    if host_rows and progress is not None:
+        progress("host CPU time per layer (16 tiny layers, 60 paired rounds)")
     report.host = (host_cost_rows() if host_rows
                    else {"status": "skipped", "reason": "--no-host-rows"})
     report.meta["load_avg_1m"].append(load_average())

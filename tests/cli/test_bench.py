@@ -457,3 +457,20 @@ def test_the_hf_model_is_the_bench_model_and_trains_its_own_parameters():
                      BenchContext(CPU), on_error=lambda err: (_ for _ in ()).throw(err))
     assert row.status == "ok" and len(row.losses) == 4, row
     assert row.losses == ref.losses  # the later steps too: the HF parameters were stepped
+
+
+def test_bench_says_where_it_can_write_and_each_phase_it_starts(capsys, monkeypatch):
+    import swap_pass.bench.run as bench_run
+
+    argv = ["bench", "--preset", "tiny", "--layers", "2", "--seq", "32", "--batch", "1",
+            "--steps", "1", "--warmup", "1", "--device", "cpu", "--methods", "no_swap",
+            "--no-smart-rows"]
+    # The host-cost phase itself is measured elsewhere (tests/cli/test_host_cost_scripts.py);
+    # here only that the command announces it before it starts.
+    monkeypatch.setattr(bench_run, "host_cost_rows",
+                        lambda: {"status": "skipped", "reason": "not measured here"})
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "... no swap" in captured.err
+    assert "... host CPU time per layer" in captured.err
+    assert "--json PATH writes this report as JSON" in captured.out
