@@ -764,10 +764,10 @@ def _modified_error(name: str | None, t: torch.Tensor, version: int, when: str) 
 
 
 def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[_StorageEntry],
-                  to_host: bool, pinned: bool | None = False,
-                  compute: torch.Stream | None = None) -> object:
+                  to_host: bool, pinned: bool | None, compute: torch.Stream | None) -> object:
     """Queue each entry's copy to (``to_host``) or from its host buffer on ``stream``, ordered
-    after the compute stream's work so far (and, to the host, after a reused buffer's last copy);
+    after the work queued so far on the swap's ``compute`` stream (see Note: [The compute stream
+    of a swap]; never looked up here) and, to the host, after a reused buffer's last copy;
     return the event recorded after them.
 
     A dense entry copies tensor to tensor (see Note: [Dense copies]), any other whole storage
@@ -776,7 +776,7 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
     page-locked (only then is a copy issued without blocking the host).
     """
     if stream is not None:
-        ds.wait(stream, ds.record_event(compute if compute is not None else ds.compute_stream()))
+        ds.wait(stream, ds.record_event(compute))
     for e in entries:
         if to_host and e.host_event is not None:
             ds.wait(stream, e.host_event)
@@ -797,8 +797,8 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
 
 
 def _record_after(ds: DeviceStreams, stream: torch.Stream | None) -> object:
-    """An event after the work queued on ``stream`` so far (None where copies are synchronous),
-    for undoing a transition that failed part-way."""
+    """An event after the work queued on ``stream`` so far (None where copies are synchronous,
+    as the transitions keep it), for undoing a transition that failed part-way."""
     return None if stream is None else ds.record_event(stream)
 
 
