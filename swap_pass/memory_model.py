@@ -118,6 +118,7 @@ class ModelShape:
 
     The layer-level formulas need ``hidden``, ``layers``, ``seq``, ``batch`` and ``dtype``; the
     whole step (:func:`method_memory`) also needs ``heads``, ``intermediate`` and ``vocab``.
+    Arguments after ``seq`` are keyword-only.
 
     Args:
         hidden: Hidden size ``h``.
@@ -136,6 +137,7 @@ class ModelShape:
     hidden: int
     layers: int
     seq: int
+    _: dataclasses.KW_ONLY
     batch: int = 1
     dtype: str = "bf16"
     micro_batches: int = 1

@@ -30,7 +30,6 @@ import dataclasses
 import math
 
 from swap_pass.memory_model import (
-    DTYPES,
     ModelShape,
     check_counts,
     check_dtype,
@@ -79,7 +78,7 @@ class PlanInputs:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(
                     f"swap_pass.plan: {name}={value!r} is invalid. It must be a number > 0.")
-        check_dtype("swap_pass.plan", self.dtype, tuple(DTYPES))
+        check_dtype("swap_pass.plan", self.dtype)
 
     @property
     def shape(self) -> ModelShape:
