@@ -288,9 +288,10 @@ def _plan_capacity(args: argparse.Namespace) -> str:
     from swap_pass.capacity.limits import available_host_bytes, parse_bytes
     from swap_pass.capacity.planned import plan_capacity
     from swap_pass.capacity.report import format_planned
+    from swap_pass.memory_model import TRAINING_DTYPES
     from swap_pass.models import LlamaConfig
 
-    if args.dtype not in ("fp32", "bf16", "fp16"):
+    if args.dtype not in TRAINING_DTYPES:
         raise ValueError(f"swap_pass.plan: dtype={args.dtype!r} has no memory model. "
                          "It must be fp32, bf16 or fp16 with --device-memory.")
     heads = args.heads or max(1, args.hidden // 128)

@@ -2,7 +2,9 @@
 
 For a Transformer of ``layers`` layers, batch ``b``, sequence ``s`` and hidden size ``h``, the
 layer input (``hidden_states``) is ``b*s*h*bytes(dtype)``. With full recompute it is the only
-thing a layer keeps for backward; swapping it leaves at most two of them on the device.
+thing a layer keeps for backward; swapping it leaves at most
+:data:`~swap_pass.memory_model.SWAP_RESIDENT_INPUTS` (three) of them on the device per
+micro-batch.
 
 A copy hides behind compute when it takes no longer than the compute it overlaps::
 
@@ -10,6 +12,9 @@ A copy hides behind compute when it takes no longer than the compute it overlaps
                time_fwd = (24*b*s*h^2 + 4*b*s^2*h) / achieved FLOP/s
     backward:  H2D of layer i-1's input overlaps  backward of layer i
                time_bwd = 2 * time_fwd  (+ time_fwd for the recompute)
+
+The bytes, times and layer-input counts are :mod:`swap_pass.memory_model`'s, the same that
+``swap-pass capacity`` plans with; this module lays them out for one model.
 
 # Note: [One place for the simulator]
 # Every number ``plan`` prints comes from :func:`simulate`. Besides the closed forms above it
@@ -24,12 +29,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from swap_pass.capacity.model import SWAP_RESIDENT_INPUTS
+from swap_pass.memory_model import (
+    ModelShape,
+    check_counts,
+    check_dtype,
+    compute_seconds,
+    copy_seconds,
+    layer_backward_seconds,
+    layer_forward_flops,
+    resident_layer_inputs,
+    swap_host_bytes,
+)
 
-__all__ = ["DTYPE_BYTES", "PlanInputs", "PlanResult", "format_plan", "layer_forward_flops",
-           "simulate"]
-
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+__all__ = ["PlanInputs", "PlanResult", "format_plan", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +71,20 @@ class PlanInputs:
     recompute: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "seq", "layers", "batch", "micro_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"swap_pass.plan: {name}={value!r} is invalid. It must be an int >= 1.")
+        check_counts("swap_pass.plan", hidden=self.hidden, seq=self.seq, layers=self.layers,
+                     batch=self.batch, micro_batches=self.micro_batches)
         for name in ("bandwidth_gbs", "tflops"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(
                     f"swap_pass.plan: {name}={value!r} is invalid. It must be a number > 0.")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"swap_pass.plan: dtype={self.dtype!r} is unknown. "
-                f"It must be one of {sorted(DTYPE_BYTES)}."
-            )
+        check_dtype("swap_pass.plan", self.dtype)
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model shape these inputs describe."""
+        return ModelShape(hidden=self.hidden, layers=self.layers, seq=self.seq, batch=self.batch,
+                          dtype=self.dtype, micro_batches=self.micro_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +114,6 @@ class PlanResult:
         return self.d2h_hidden and self.h2d_hidden
 
 
-def layer_forward_flops(batch: int, seq: int, hidden: int) -> float:
-    """Forward FLOPs of one Transformer layer: ``24*b*s*h^2 + 4*b*s^2*h``."""
-    return 24.0 * batch * seq * hidden**2 + 4.0 * batch * seq**2 * hidden
-
-
 def _smart_simulation(p: PlanInputs, per_layer: int, t_fwd: float, t_bwd: float) -> dict:
     """Stall and peak of one micro-batch's step from SmartSwap's simulator, if it is in the
     build."""
@@ -130,19 +136,18 @@ def simulate(inputs: PlanInputs) -> PlanResult:
 
     See ``# Note: [One place for the simulator]`` in this module.
     """
-    p = inputs
-    per_layer = p.batch * p.seq * p.hidden * DTYPE_BYTES[p.dtype]
-    swapped = p.layers - 1  # the last layer's input is used at once by backward: never swapped
-    resident_with = min(SWAP_RESIDENT_INPUTS, p.layers) * p.micro_batches
-    resident_without = p.layers * p.micro_batches
+    p, shape = inputs, inputs.shape
+    per_layer = shape.layer_input_bytes
+    resident_with = resident_layer_inputs(p.layers, swap=True, micro_batches=p.micro_batches)
+    resident_without = resident_layer_inputs(p.layers, swap=False, micro_batches=p.micro_batches)
     fwd_flops = layer_forward_flops(p.batch, p.seq, p.hidden)
-    t_fwd = fwd_flops / (p.tflops * 1e12)
-    t_bwd = (3.0 if p.recompute else 2.0) * t_fwd
-    t_copy = per_layer / (p.bandwidth_gbs * 1e9)
+    t_fwd = compute_seconds(fwd_flops, p.tflops * 1e12)
+    t_bwd = layer_backward_seconds(t_fwd, p.recompute)
+    t_copy = copy_seconds(per_layer, p.bandwidth_gbs * 1e9)
     return PlanResult(
         layer_input_bytes=per_layer,
-        swapped_layers=swapped,
-        host_bytes_needed=swapped * per_layer * p.micro_batches,
+        swapped_layers=p.layers - 1,  # the last layer's input is used at once by backward
+        host_bytes_needed=swap_host_bytes(shape),
         resident_inputs_without_swap=resident_without,
         resident_inputs_with_swap=resident_with,
         device_bytes_saved=(resident_without - resident_with) * per_layer,

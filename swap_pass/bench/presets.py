@@ -6,11 +6,10 @@ import dataclasses
 
 import torch
 
+from swap_pass.memory_model import DTYPES, layer_input_bytes
 from swap_pass.models import LlamaConfig
 
 __all__ = ["PRESETS", "BenchPreset", "get_preset"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +40,12 @@ class BenchPreset:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The preset's dtype as a ``torch.dtype``."""
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def layer_input_bytes(self) -> int:
         """Bytes of one layer input (``batch * seq * hidden * itemsize``)."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.batch * self.seq * self.model.hidden_size * itemsize
+        return layer_input_bytes(self.batch, self.seq, self.model.hidden_size, self.dtype)
 
     @property
     def tokens_per_step(self) -> int:

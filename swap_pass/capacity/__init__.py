@@ -1,7 +1,5 @@
 """How much bigger can a model train: capacity under a device-memory cap, measured and planned.
 
-* :mod:`~swap_pass.capacity.model`: predicted bytes of a training step per method (the memory
-  model).
 * :mod:`~swap_pass.capacity.search`: the largest size that fits (exponential, then binary).
 * :mod:`~swap_pass.capacity.planned`: that search over the memory model
   (``swap-pass plan --device-memory``).
@@ -10,5 +8,6 @@
   in bytes.
 * :mod:`~swap_pass.capacity.report`: their tables and the JSON file.
 
-See ``docs/capacity.md``.
+The predicted bytes of a training step per method (the memory model, which ``swap-pass plan``
+shares) are in :mod:`swap_pass.memory_model`. See ``docs/capacity.md``.
 """

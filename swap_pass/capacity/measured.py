@@ -5,7 +5,7 @@ Each probe of the search (:func:`swap_pass.capacity.search.largest_fitting`) is 
 measurement of one method at one size (:func:`swap_pass.bench.harness.run_method`: a fresh model,
 warm-up, one timed step, one profiled step). A size fits when the step ran, its peak is within
 the device-memory cap (:mod:`swap_pass.capacity.limits`) and its host bytes within the host
-limit. The first probe is the planner's answer (:mod:`swap_pass.capacity.model`), so a good
+limit. The first probe is the planner's answer (:mod:`swap_pass.memory_model`), so a good
 plan costs two probes per method.
 
 SmartSwap's budget (kept saved-activation bytes) is derived from the cap at each size: the cap
@@ -35,7 +35,6 @@ from swap_pass.bench.run import (
     source_build,
 )
 from swap_pass.capacity.limits import available_host_bytes, device_memory_cap
-from swap_pass.capacity.model import ModelShape, method_memory, state_bytes
 from swap_pass.capacity.planned import (
     METHOD_LABELS,
     dim_quantum,
@@ -46,6 +45,7 @@ from swap_pass.capacity.planned import (
 )
 from swap_pass.capacity.search import largest_fitting
 from swap_pass.config import SwapConfig
+from swap_pass.memory_model import ModelShape, method_memory, state_bytes
 from swap_pass.runtime.errors import HostMemoryError
 
 __all__ = ["CapacityReport", "CapacityRow", "Probe", "run_capacity"]

@@ -1,7 +1,7 @@
 """The planned capacity: the same search as ``swap-pass capacity``, each probe a formula.
 
 For every method, the largest size (batch, sequence or hidden) whose predicted peak
-(:func:`swap_pass.capacity.model.method_memory`) fits the device memory and whose host bytes fit
+(:func:`swap_pass.memory_model.method_memory`) fits the device memory and whose host bytes fit
 the host limit. ``swap-pass plan --device-memory`` prints it for a full-size model;
 ``swap-pass capacity`` starts each method's measured search from it and prints the planned peak
 next to the measured one.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from swap_pass.bench.presets import BenchPreset
-from swap_pass.capacity.model import METHOD_KEYS, MethodMemory, ModelShape, method_memory
 from swap_pass.capacity.search import largest_fitting
+from swap_pass.memory_model import METHOD_KEYS, MethodMemory, ModelShape, method_memory
 
 __all__ = ["DIMS", "METHOD_LABELS", "PlannedRow", "dim_quantum", "plan_capacity", "planned_memory",
            "sized_preset", "smart_budget"]

@@ -16,9 +16,10 @@ the ``wait`` after its D2H copy and starts its backward life at the ``prefetch``
 A tensor whose copy cannot hide (too little compute between its producer and the forward's end,
 or between the backward's start and its first reader) is never chosen. Compute time is the
 matmul-class FLOPs of each node (``torch.utils.flop_counter``) over the device's FLOP rate; copy
-time is bytes over the host link bandwidth. Both are measured on the graph's device when not
-given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls (see Note:
-[Throughput probe]).
+time is bytes over the host link bandwidth (:mod:`swap_pass.memory_model`'s formulas, which
+``swap-pass plan`` and SmartSwap's simulator use too). Both rates are measured on the graph's
+device when not given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls
+(see Note: [Throughput probe]).
 
 Note: [Greedy choice]
 At each round the point of the predicted peak is found; among the tensors whose freed interval
@@ -35,6 +36,8 @@ import dataclasses
 
 import torch
 from torch import fx
+
+from swap_pass.memory_model import compute_seconds, copy_seconds, tensor_bytes
 
 __all__ = ["Budget", "CostModel", "SwapChoice", "choose_swaps"]
 
@@ -204,7 +207,7 @@ def _nbytes(val: torch.Tensor) -> int | None:
     shape = hinted_shape(val)
     if shape is None:
         return None
-    return int(torch.Size(shape).numel()) * val.element_size()
+    return tensor_bytes(shape, val.dtype)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -261,7 +264,7 @@ def _timeline(fw: fx.GraphModule, bw: fx.GraphModule, cost: CostModel) -> _Timel
     index = {n: i for i, n in enumerate(nodes)}
     clock, total = [], 0.0
     for n in nodes:
-        total += _flops(n) / cost.flops_per_s
+        total += compute_seconds(_flops(n), cost.flops_per_s)
         clock.append(total)
     bw_ph = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     bases: dict[fx.Node, fx.Node] = {}
@@ -328,7 +331,7 @@ def _storage_intervals(tl: _Timeline, base: fx.Node, chosen) -> list[tuple[int, 
 def _placement(tl: _Timeline, node: fx.Node, nbytes: int, cost: CostModel,
                bw: fx.GraphModule) -> SwapChoice | None:
     """Where the copies of saved ``node`` start and end so they hide; ``None`` when they cannot."""
-    copy = nbytes / cost.copy_bytes_per_s
+    copy = copy_seconds(nbytes, cost.copy_bytes_per_s)
     start, fw_end = tl.index[node], tl.num_fw - 1  # fw_end: the forward's output node
     readers = [tl.index[u] for u in node.users if u.op != "output"]
     hidden = next((i for i in range(start, fw_end) if tl.clock[i] - tl.clock[start] >= copy), None)

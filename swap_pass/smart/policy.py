@@ -23,6 +23,7 @@ import bisect
 import dataclasses
 import functools
 
+from swap_pass.memory_model import FORWARD_SHARE
 from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife
 from swap_pass.smart.simulator import SimResult, simulate
 
@@ -410,7 +411,7 @@ def gen_policy(
     num_groups: int = 8,
     min_swap_bytes: int = 0,
     max_prefetch_depth: int = 4,
-    fwd_fraction: float = 1 / 3,
+    fwd_fraction: float = FORWARD_SHARE,
     d2h_bandwidth: float = 10e9,
     h2d_bandwidth: float = 10e9,
     max_overlap_groups: int = 0,
@@ -423,7 +424,8 @@ def gen_policy(
         num_groups: Logical layers (equal groups of the pack sequence). Default: ``8``.
         min_swap_bytes: Storages below this stay on the device. Default: ``0``.
         max_prefetch_depth: Deepest prefetch tried, in groups. Default: ``4``.
-        fwd_fraction: Share of compute in forward. Default: ``1/3``.
+        fwd_fraction: Share of compute in forward. Default: ``1/3``
+            (:data:`~swap_pass.memory_model.FORWARD_SHARE`: backward is twice the forward).
         d2h_bandwidth: Bytes/s device to host. Default: ``10e9``.
         h2d_bandwidth: Bytes/s host to device. Default: ``10e9``.
         max_overlap_groups: Most logical layers a device-to-host copy may run before the

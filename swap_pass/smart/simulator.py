@@ -8,14 +8,17 @@ Pattern it models (``G`` groups, forward then backward in reverse)::
     h2d:                      i(j-d) ... (group j's copy is issued when B(j+d) starts, FIFO;
                                      B(j) waits for it)
 
-A plain function with no torch dependency, so that ``swap-pass plan`` and the SmartSwap policy
-can ask "what stall and what peak would this choice give" without running the model.
+A plain function of numbers (no tensors), so that ``swap-pass plan`` and the SmartSwap policy
+can ask "what stall and what peak would this choice give" without running the model; a copy
+takes :func:`swap_pass.memory_model.copy_seconds`, as in ``plan`` and budget mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+from swap_pass.memory_model import copy_seconds
 
 __all__ = ["SimResult", "simulate"]
 
@@ -70,7 +73,7 @@ def _forward(fwd_s, resident_bytes, swap_bytes, d2h_bw) -> tuple[float, float, i
             now = max(now, done)
             mem -= nbytes
         start = max(now, channel_free)
-        channel_free = start + swp / d2h_bw
+        channel_free = start + copy_seconds(swp, d2h_bw)
         waiting = [(channel_free, swp)] if swp else []
     for done, nbytes in waiting:
         stall += max(0.0, done - now)
@@ -92,7 +95,7 @@ def _backward(now, mem, bwd_s, resident_bytes, swap_bytes, h2d_bw,
             g = next_issue
             if swap_bytes[g]:
                 start = max(now, channel_free)
-                channel_free = ready[g] = start + swap_bytes[g] / h2d_bw
+                channel_free = ready[g] = start + copy_seconds(swap_bytes[g], h2d_bw)
                 mem += swap_bytes[g]
             next_issue -= 1
         peak = max(peak, mem)

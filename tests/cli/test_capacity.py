@@ -14,10 +14,10 @@ from swap_pass.bench.methods import METHODS, BenchContext
 from swap_pass.bench.presets import PRESETS, get_preset
 from swap_pass.capacity.limits import device_memory_cap, parse_bytes
 from swap_pass.capacity.measured import run_capacity
-from swap_pass.capacity.model import METHOD_KEYS, ModelShape, method_memory, param_count
 from swap_pass.capacity.planned import plan_capacity, sized_preset
 from swap_pass.capacity.search import largest_fitting
 from swap_pass.cli import main
+from swap_pass.memory_model import METHOD_KEYS, ModelShape, method_memory, param_count
 from swap_pass.models import LlamaStyleModel
 
 MIB = 2**20
