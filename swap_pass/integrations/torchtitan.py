@@ -44,7 +44,11 @@ from typing import Any
 from torch import nn
 
 from swap_pass.config import SwapConfig
-from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input
+from swap_pass.eager.enable import (
+    SwapLayerInputHandle,
+    enable_swap_layer_input,
+    find_layer_blocks,
+)
 
 try:
     from torchtitan.protocols.model import ModelConfigConverter
@@ -108,7 +112,8 @@ class SwapLayerInputConverter(ModelConfigConverter):
     def __init__(self, config: Config) -> None:
         self.config = config
         config.swap_config()  # a bad knob fails here, where the configuration is converted
-        if not all(isinstance(p, str) for p in config.filter_fqns):
+        patterns = config.filter_fqns
+        if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
             raise TypeError(
                 f"swap_pass.{_API}: filter_fqns={config.filter_fqns!r} must be a list of "
                 "fnmatch patterns (str) naming blocks, e.g. ['layers.0']."
@@ -192,16 +197,33 @@ class DeferredSwap:
         return not any(fnmatch(fqn, pattern) for pattern in self.filter_fqns)
 
     def __call__(self, model: nn.Module, args: tuple) -> None:
-        """The model's forward pre-hook: enable swap on the first call."""
+        """The model's forward pre-hook: enable swap on the first call.
+
+        Raises:
+            ValueError: A pattern of ``filter_fqns`` names none of the blocks.
+        """
         if self.handle is not None or self.removed:
             return
         layers = getattr(model, "layers", None)
         if isinstance(layers, nn.ModuleDict) and len(layers) == 0:
             return  # a pipeline stage without layers: nothing to swap
-        explicit = layers if isinstance(layers, nn.ModuleDict) else None
+        found = find_layer_blocks(model) if not isinstance(layers, nn.ModuleDict) else layers
+        blocks = list(found.values() if isinstance(found, nn.ModuleDict) else found)
+        self._check_patterns(model, blocks)
         self.handle = enable_swap_layer_input(
-            model, layers=explicit, config=self.config,
+            model, layers=blocks, config=self.config,
             module_filter_fn=self._keep if self.filter_fqns else None)
+
+    def _check_patterns(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        names = {id(m): fqn for fqn, m in model.named_modules(remove_duplicate=False)}
+        fqns = [names.get(id(block), "") for block in blocks]
+        unmatched = [p for p in self.filter_fqns if not any(fnmatch(f, p) for f in fqns)]
+        if unmatched:
+            raise ValueError(
+                f"swap_pass.{_API}: filter_fqns {unmatched} name none of the blocks "
+                f"({', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''}). Each pattern must "
+                "match the name of a block in the model (fnmatch), e.g. 'layers.0'."
+            )
 
     @property
     def active(self) -> bool:

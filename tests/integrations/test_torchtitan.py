@@ -1,6 +1,8 @@
 """torchtitan's llama3 debug model on CPU: no AC, full AC, selective AC, bitwise against the same
 model without swap. ``model.layers`` is an ``nn.ModuleDict``: found by ``enable`` on its own, and
-accepted as ``layers=``.
+accepted as ``layers=``. ``SwapLayerInputConverter`` through torchtitan's own
+``model_registry(..., converters=[...])``: enabled by the first forward, exact, its knobs and
+``filter_fqns`` honoured, bad settings refused, ``remove()``.
 
 Needs torchtitan (the ``[torchtitan]`` extra; CI installs it in a separate environment and runs
 this directory there). The CPU shims are in ``torchtitan_cpu.py``.
@@ -156,6 +158,13 @@ def test_converter_refuses_bad_knobs_and_a_second_conversion():
         _converted(prefetch_layers=0)
     with pytest.raises(TypeError, match="filter_fqns"):
         _converted(filter_fqns=[0])
+    with pytest.raises(TypeError, match="filter_fqns"):
+        _converted(filter_fqns="layers.0")
+    model = _converted(filter_fqns=["layers.0", "layer.1"])  # a typo fails at the first forward
+    with pytest.raises(ValueError, match=r"filter_fqns \['layer.1'\] name none of the blocks "
+                                         r"\(layers.0, layers.1, layers.2, layers.3\)"):
+        model(tc.make_batch()[0])
+    assert deferred_swap(model).handle is None
     converters = [SwapLayerInputConverter.Config(), SwapLayerInputConverter.Config()]
     with pytest.raises(ValueError, match="list SwapLayerInputConverter once"):
         model_registry("debugmodel", converters=converters)
