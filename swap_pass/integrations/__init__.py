@@ -2,6 +2,8 @@
 
 * ``swap_pass.integrations.megatron``: megatron-core (``GPTModel``, ``TransformerBlock``, model
   chunks of interleaved pipelines, MindSpeed-style layer specs).
-* torchtitan needs no module of its own: ``enable_swap_layer_input(model)`` finds its
-  ``model.layers`` ``ModuleDict`` (see ``docs/torchtitan.md``).
+* ``swap_pass.integrations.torchtitan``: torchtitan's model converter
+  (``SwapLayerInputConverter``, listed in ``model_registry(..., converters=[...])``); a model
+  built in other ways takes ``enable_swap_layer_input(model)``, which finds its ``model.layers``
+  ``ModuleDict`` (see ``docs/torchtitan.md``).
 """

@@ -2,7 +2,10 @@
 sequence parallel (``tp=2``, DTensor activations between blocks), tensor parallel also with
 torchtitan's full activation checkpointing, and ``dp_shard=2`` and ``tp=2`` with each block's
 forward compiled by ``swap_pass.compile_layers(model, backend="aot_eager")`` after
-``parallelize_llama`` (against the same compile without swap); swap on blocks compiled by
+``parallelize_llama`` (against the same compile without swap), and swap switched on by
+``SwapLayerInputConverter`` listed in torchtitan's ``model_registry(..., converters=[...])``, the
+model built as torchtitan's Trainer builds it (``torchtitan_dist_worker.CONVERTER_SETUPS``:
+``dp_shard=2`` with selective AC, ``tp=2`` with full AC); swap on blocks compiled by
 torchtitan's own ``compile.enable`` (``nn.Module.compile``) is refused with an error naming
 ``compile_layers``. One spawned process pair for every setup (``torchtitan_dist_worker.SETUPS``,
 ``COMPILE_SETUPS``), one more for SmartSwap on ``dp_shard=2`` and ``tp=2``
@@ -46,11 +49,13 @@ SWAPPED = worker.LAYERS - 1
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     return spawn_ranks(worker.run, 2, tmp_path_factory.mktemp("titan"),
-                       [*worker.SETUPS, *worker.COMPILE_SETUPS, "module-compile",
+                       [*worker.SETUPS, *worker.CONVERTER_SETUPS, *worker.COMPILE_SETUPS,
+                        "module-compile",
                         worker.FULL_AC_COMPILE], seconds=840)
 
 
-@pytest.mark.parametrize("setup", worker.SETUPS + worker.COMPILE_SETUPS)
+@pytest.mark.parametrize("setup",
+                         worker.SETUPS + worker.CONVERTER_SETUPS + worker.COMPILE_SETUPS)
 def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
     per_input = LAYER_INPUT // 2 if setup.startswith("tp") else LAYER_INPUT
     for rank, report in enumerate(reports):
@@ -63,6 +68,7 @@ def test_parallelize_llama_exact_and_swapped_on_every_rank(reports, setup):
         assert res["outs"] == [SWAPPED * (s + 1) for s in range(dist_worker.STEPS)], (rank, res)
         assert res["freed"] == [True] * SWAPPED + [False], (rank, res)
         assert res["released"] == SWAPPED * per_input, (rank, res)
+        assert res["swapped_in"] == dist_worker.STEPS * SWAPPED * per_input, (rank, res)
         assert res["skipped"] == {} and res["warnings"] == [], (rank, res)
         assert res["clean"] and res["intact"], (rank, res)
         assert res.get("hazards", []) == [], (rank, res)

@@ -37,13 +37,16 @@ def import_shim() -> None:
         sys.modules[_KERNELS] = _NoTriton(_KERNELS)
 
 
-def make_llama3_debug(seed: int = 0, n_layers: int | None = None) -> torch.nn.Module:
-    """torchtitan's llama3 ``debugmodel`` (dim 256), SDPA attention, weights from ``seed``."""
+def make_llama3_debug(seed: int = 0, n_layers: int | None = None,
+                      converters: list | None = None) -> torch.nn.Module:
+    """torchtitan's llama3 ``debugmodel`` (dim 256), SDPA attention, weights from ``seed``; its
+    configuration from torchtitan's ``model_registry``, which applies ``converters`` (a list of
+    ``ModelConfigConverter.Config``) as its config functions do."""
     import_shim()
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.llama3 import model_registry
 
-    config = llama3_configs["debugmodel"](attn_backend="flex")
+    config = model_registry("debugmodel", attn_backend="flex", converters=converters).model
     if n_layers is not None:
         config.layers = config.layers[:n_layers]
     torch.manual_seed(seed)

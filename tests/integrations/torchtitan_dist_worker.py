@@ -18,6 +18,11 @@ from __future__ import annotations
 import torch
 
 SETUPS = ["fsdp", "tp", "tp-full-ac"]
+# Swap switched on by torchtitan's own converter path: model_registry(..., converters=[
+# SwapLayerInputConverter.Config()]), the model built as torchtitan's Trainer builds it (meta
+# device, parallelize_fn, to_empty, init_weights); the reference: the same without the converter.
+# FSDP with torchtitan's selective AC (its debug model's default), TP + SP with its full AC.
+CONVERTER_SETUPS = ["fsdp-sac-converter", "tp-full-ac-converter"]
 # Each block's forward compiled with swap_pass.compile_layers(model, backend="aot_eager") after
 # parallelize_llama (torchtitan's own compile off), against the same compile without swap.
 # "tp-full-ac-compile-wrapped": under FullAC, the modules inside torch's checkpoint_wrapper
@@ -72,11 +77,70 @@ def build(setup: str, world: int = 2, compile_config=None) -> torch.nn.Module:
     return model
 
 
+def _parallelism(setup: str, world: int) -> tuple:
+    """torchtitan's ``ParallelismConfig`` and built ``ParallelDims`` for ``setup``."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    tp = 2 if setup.startswith("tp") else 1
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // tp,
+                                    tensor_parallel_degree=tp, spmd_backend="partial_dtensor")
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=1,
+                        world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return parallelism, dims
+
+
+def build_as_trainer(setup: str, swap: bool, world: int = 2) -> torch.nn.Module:
+    """The debug model as torchtitan's ``Trainer.__init__`` builds it (no pipeline parallel):
+    the model spec from ``model_registry`` (``converters=[SwapLayerInputConverter.Config()]``
+    when ``swap``), its config built on the meta device, ``spec.parallelize_fn``, ``to_empty``
+    on the CPU, ``init_weights``, ``train()``. The Trainer itself is not run: its data, metrics
+    and checkpoint components need packages this CPU test does not install, and it assumes an
+    accelerator."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    from swap_pass.integrations.torchtitan import SwapLayerInputConverter
+
+    parallelism, dims = _parallelism(setup, world)
+    spec = model_registry("debugmodel", attn_backend="flex",
+                          converters=[SwapLayerInputConverter.Config()] if swap else None)
+    config = spec.model
+    config.layers = config.layers[:LAYERS]
+    for layer in config.layers:  # FlexAttention has no CPU backward: torchtitan's SDPA module
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    # what Trainer.__init__'s model_config.update_from_config does for llama3 (that method
+    # imports the Trainer)
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    with torch.device("meta"):
+        model = config.build()
+    ac = FullAC.Config() if "full-ac" in setup else SelectiveAC.Config()
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(),
+                                parallelism=parallelism, compile_config=CompileConfig(),
+                                ac_config=ac, dump_folder="/tmp")
+    for module in model.modules():  # gloo has no PREMUL_SUM: reduce with SUM and divide apart
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model
+
+
 def _train(setup: str, rank: int, swap: bool) -> dict:
     import swap_pass
     from tests.distributed import dist_worker, models
     from tests.integrations import torchtitan_cpu as tc
     swap_pass.reset()
+    if setup in CONVERTER_SETUPS:
+        return _train_converted(setup, rank, swap)
     model = build(setup)
     compiled = setup in COMPILE_SETUPS
     if compiled:  # each block's forward compiled; the reference: the same compile, no swap
@@ -97,6 +161,29 @@ def _train(setup: str, rank: int, swap: bool) -> dict:
     if compiled:
         rec["compiled"] = dist_worker._graphs(None)
     return rec
+
+
+def _train_converted(setup: str, rank: int, swap: bool) -> dict:
+    """``setup`` of :data:`CONVERTER_SETUPS`: swap armed by the converter, enabled by the first
+    forward on the blocks as parallelized (checked here: an error is reported)."""
+    from swap_pass.integrations.torchtitan import deferred_swap
+    from tests.distributed import dist_worker, models
+    from tests.integrations import torchtitan_cpu as tc
+
+    model = build_as_trainer(setup, swap)
+    deferred = deferred_swap(model) if swap else None
+    if deferred is not None:
+        assert deferred.handle is None, "swap was enabled before the first forward"
+        model.register_forward_hook(lambda mod, args, out: _check_enabled(mod, deferred))
+    seeds = [step if setup.startswith("tp") else 100 * step + rank
+             for step in range(dist_worker.STEPS)]
+    return dist_worker.train_steps(model, model, deferred,
+                                   [tc.make_batch(seed=s) for s in seeds], models.loss_of)
+
+
+def _check_enabled(model: torch.nn.Module, deferred) -> None:
+    blocks = list(model.layers.values())
+    assert deferred.handle is not None and deferred.layers == blocks, (deferred, blocks)
 
 
 def module_compile_refused() -> str:
