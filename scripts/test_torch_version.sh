@@ -24,11 +24,16 @@ pip_install() {
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
   pip_install "torch==$version"
-  pip_install pytest pytest-timeout hypothesis "transformers>=4.45" tqdm matplotlib
 fi
-pip_install --no-deps -e "$root"
+# The test extra's pins, as CI installs them (transformers below 5.25 among them); a reused venv
+# that strays from them is brought back. torch already satisfies the floor and stays as it is.
+pip_install -e "$root[test]"
 export PATH="$venv/bin:$PATH"
 unset PYTHONPATH
-python -c "import torch, swap_pass; print('torch', torch.__version__, 'swap_pass from', swap_pass.__file__)"
+python -c "
+import torch, swap_pass, transformers
+assert torch.__version__.split('+')[0] == '$version', f'venv has torch {torch.__version__}, not $version'
+print('torch', torch.__version__, 'transformers', transformers.__version__,
+      'swap_pass from', swap_pass.__file__)"
 cd "$root"
 exec python -m pytest -q -p no:cacheprovider "$@"

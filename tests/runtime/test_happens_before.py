@@ -342,7 +342,8 @@ def test_a_non_resizable_storage_is_kept_and_counted(make):
 
 def test_a_group_keeps_its_non_resizable_storage_and_swaps_the_rest():
     kept, swapped = torch.from_numpy(np.ones(8, dtype=np.float32)), torch.randn(16)
-    group = SwapTensors([kept, swapped])
+    with pytest.warns(RuntimeWarning, match=r"stays on the device \(non_resizable\)"):
+        group = SwapTensors([kept, swapped])
     group.swap_to_host()
     group.wait_d2h()
     assert swapped.untyped_storage().nbytes() == 0 and kept.untyped_storage().nbytes() == 32
