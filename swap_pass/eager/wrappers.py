@@ -33,6 +33,7 @@ import torch
 
 from swap_pass.eager import _protocol
 from swap_pass.eager._layer_io import _tensors_in, find_hidden_states, in_backward
+from swap_pass.runtime.chain import chain_of_tag
 from swap_pass.runtime.manager import SwapLayerInputManager
 from swap_pass.runtime.ownership import autograd_mark, may_free
 from swap_pass.runtime.swap_tensors import SwapTensors
@@ -65,15 +66,16 @@ def _register_manager(layer: torch.nn.Module) -> None:
             manager.unregister()
         return
     if "swap_manager" not in layer.__dict__:
-        tag = getattr(layer, "swap_module_tag", "default")
-        object.__setattr__(layer, "swap_manager", SwapLayerInputManager(module_tag=tag))
+        chain = chain_of_tag(getattr(layer, "swap_module_tag", "default"))
+        object.__setattr__(layer, "swap_manager", SwapLayerInputManager(chain=chain))
 
 
 def swap_layer_input_init_wrapper(fn: Callable[..., None]) -> Callable[..., None]:
     """Decorate a layer's ``__init__``: register one :class:`SwapLayerInputManager` per instance.
 
-    Managers are numbered in construction order under ``self.swap_module_tag`` (class or
-    instance attribute; Default: ``"default"``). Layers marked ``is_mtp`` / ``is_mtp_layer``
+    Managers are numbered in construction order in the chain of ``self.swap_module_tag`` (class
+    or instance attribute; Default: ``"default"``): one chain per tag, kept until
+    :func:`swap_pass.reset`. Layers marked ``is_mtp`` / ``is_mtp_layer``
     get no manager and leave no entry. Nested decorated ``__init__`` calls (a subclass calling
     ``super().__init__``) register once, after the outermost one returns.
     """
@@ -209,7 +211,7 @@ def _run_fwd(manager: SwapLayerInputManager, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except BaseException:
-        _protocol.abort_tag(manager.module_tag)
+        _protocol.abort_chain(manager.chain)
         raise
 
 
