@@ -1,5 +1,8 @@
 """The SwapLayerInput protocol for one layer call, shared by the decorators and ``enable``.
 
+Its steps (free after the next layer, restore before backward) are the runtime's, in
+``swap_pass/runtime/protocol.py``; this module decides where each runs in an eager layer call.
+
 Graph pattern (layer ``i`` of ``L``, one micro-batch)::
 
     forward:  x_i -> layer_i -> out_i
@@ -69,7 +72,7 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -81,7 +84,8 @@ from swap_pass.runtime import stats
 from swap_pass.runtime.chain import LayerChain
 from swap_pass.runtime.device import entry_compute_stream
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import autograd_mark, may_free
+from swap_pass.runtime.ownership import autograd_mark
+from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
 from swap_pass.runtime.skips import warn_once
 from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
 
@@ -127,8 +131,7 @@ class BackwardGuard:
     def __call__(self, grad: torch.Tensor) -> None:
         group = self.group
         if group is not None:
-            self.manager.wait_swap_in(group)
-            group.assert_on_device("BackwardGuard")
+            restore_for_backward(group, self.manager.batch_stack, "BackwardGuard")
             self.group = None  # let go of it: see Note: [Group lifetime]
         if not self.fired:
             self.fired = True
@@ -145,7 +148,8 @@ class BackwardGuard:
             return
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
-        _prefetch_ahead(prev.previous, group.previous_link(), self.manager.config)
+        prefetch_ahead(_same_micro_batch(prev.previous, group.previous_link()),
+                       self.manager.config)
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
@@ -153,20 +157,12 @@ class BackwardGuard:
             _add_grad_hook(t, self)
 
 
-def _prefetch_ahead(manager: SwapLayerInputManager | None, group: SwapTensors | None,
-                    config: SwapConfig) -> None:
-    """Start the host-to-device copies of ``group`` (``manager``'s) and of the groups before it
-    in the same micro-batch: ``SwapConfig.prefetch_layers`` of them, while at most
-    ``SwapConfig.max_copies_in_flight`` of those copies run at once."""
-    limit, in_flight = config.max_copies_in_flight, 0
-    for _ in range(config.prefetch_layers):
-        if manager is None or group is None or not manager.prefetch_enabled:
-            return
-        if group.stat is HOST:
-            if limit is not None and in_flight >= limit:
-                return
-            manager.prefetch(group)
-        in_flight += group.stat is H2D
+def _same_micro_batch(manager: SwapLayerInputManager | None,
+                      group: SwapTensors | None) -> Iterator[SwapTensors]:
+    """``group`` (``manager``'s) and the groups before it in the same micro-batch, nearest
+    first, while their managers prefetch."""
+    while manager is not None and group is not None and manager.prefetch_enabled:
+        yield group
         manager, group = manager.previous, group.previous_link()
 
 
@@ -241,11 +237,8 @@ def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
     unguarded ones (if ``abandon``: a later call may still guard them otherwise)."""
     for prev, group in earlier:
         guarded = group.guarded
-        if guarded:
-            group.wait_copy_out()  # its source is no holder once the copy ran
-            if may_free(group.tensors, prev.name, roots=roots, since=group.entry_mark):
-                group.wait_d2h()
-                continue
+        if guarded and free_if_unheld(group, prev.name, roots):
+            continue
         if guarded or abandon:
             prev.wait_swap_in(group)  # cannot be protected or held elsewhere: keep it on device
 

@@ -1,6 +1,8 @@
 """Per-layer swap bookkeeping: which groups of a layer are off the device, in micro-batch order.
 
-Forward of layer ``i`` (MindSpeed's protocol, driven by the eager wrappers)::
+The steps of the protocol (what frees when, what restores when) are in
+``swap_pass/runtime/protocol.py``; a manager keeps one layer's groups for them. Forward of layer
+``i`` (MindSpeed's protocol, driven by the eager wrappers)::
 
     layer i runs -> manager[i-1].free_swapped_out()     # wait D2H of layer i-1's input, free it
                  -> manager[i].swap_out(layer i input)  # start its D2H (not for the last layer)
@@ -36,11 +38,11 @@ from swap_pass.runtime.chain import (
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.host_pool import block_bytes, preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.protocol import restore_for_backward
 from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.subclasses import claim_not_plain
 from swap_pass.runtime.swap_tensors import (
     D2H,
-    DEVICE,
     HOST,
     SwapTensors,
     is_valid_for_swap,
@@ -286,10 +288,7 @@ class SwapLayerInputManager:
             if not self.batch_stack:
                 return None
             group = self.batch_stack[0]
-        if group.stat is not DEVICE:
-            group.restore()
-        if group in self.batch_stack:  # groups compare by identity
-            self.batch_stack.remove(group)
+        restore_for_backward(group, self.batch_stack)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------
