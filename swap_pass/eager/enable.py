@@ -35,6 +35,7 @@ from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.eager import _protocol, hf_offload
+from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter, check_module_filter, filtered_blocks
 from swap_pass.runtime.chain import LayerChain
 from swap_pass.runtime.manager import SwapLayerInputManager
@@ -99,8 +100,9 @@ def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | list[
     return blocks
 
 
-class SwapLayerInputHandle:
-    """What :func:`enable_swap_layer_input` changed; ``remove()`` undoes it exactly.
+class SwapLayerInputHandle(SwapHandle):
+    """What :func:`enable_swap_layer_input` changed; ``remove()`` undoes it exactly (see
+    :class:`swap_pass.handles.SwapHandle`).
 
     Attributes:
         model: The model swap was enabled on.
@@ -153,29 +155,20 @@ class SwapLayerInputHandle:
         """True until :meth:`remove` ran."""
         return self.model.__dict__.get(_HANDLE_ATTR) is self
 
-    def remove(self) -> None:
+    def _remove(self) -> None:
         """Restore every block's ``forward`` and drop the managers.
 
         Safe at any point, also between a forward and its backward: every input still off the
         device is restored first (that backward then runs unswapped and exact).
         """
-        if not self.active:
-            return
         for layer in self.layers:
             _unpatch(layer)
         for manager in self.managers:
             manager.unregister()
         del self.model.__dict__[_HANDLE_ATTR]
 
-    def __enter__(self) -> SwapLayerInputHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return (f"SwapLayerInputHandle(model={type(self.model).__name__}, "
-                f"layers={len(self.layers)}, active={self.active})")
+    def _repr_fields(self) -> dict[str, object]:
+        return {"model": type(self.model).__name__, "layers": len(self.layers)}
 
 
 # Note: [Inside accelerate's hooks]
