@@ -1,5 +1,8 @@
 """The SwapLayerInput protocol for one layer call, shared by the decorators and ``enable``.
 
+Its steps (free after the next layer, restore before backward) are the runtime's, in
+``swap_pass/runtime/protocol.py``; this module decides where each runs in an eager layer call.
+
 Graph pattern (layer ``i`` of ``L``, one micro-batch)::
 
     forward:  x_i -> layer_i -> out_i
@@ -69,7 +72,7 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,25 +80,19 @@ import torch
 from swap_pass.config import SwapConfig
 from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.opt_out import swap_allowed
-from swap_pass.runtime import register_reset_hook, stats
+from swap_pass.runtime import stats
+from swap_pass.runtime.chain import LayerChain
 from swap_pass.runtime.device import entry_compute_stream
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import autograd_mark, may_free
+from swap_pass.runtime.ownership import autograd_mark
+from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
 from swap_pass.runtime.skips import warn_once
 from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
 
-__all__ = ["BackwardGuard", "abort_tag", "discard_if_pending", "run_layer"]
+__all__ = ["BackwardGuard", "abort_chain", "discard_if_pending", "run_layer"]
 
 _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
-# Tags under which a no-grad layer call left a group that no guard protects yet (Note: [No-grad
-# first forward]); only their layer calls look for such groups. A tag leaves the set when its
-# last layer has run: every earlier unguarded group is back on the device then. (A group that a
-# racing thread's clear hides is freed by no one: kept on the device, never read freed.)
-_MAYBE_UNGUARDED: set[str] = set()
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward; see in_backward()
-# Per tag: layer inputs that backward keeps but that stayed on the device since the tag's last
-# layer last ran (Note: [Never a silent step]); only the rare paths write it.
-_MISSED: dict[str, int] = {}
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -134,8 +131,7 @@ class BackwardGuard:
     def __call__(self, grad: torch.Tensor) -> None:
         group = self.group
         if group is not None:
-            self.manager.wait_swap_in(group)
-            group.assert_on_device("BackwardGuard")
+            restore_for_backward(group, self.manager.batch_stack, "BackwardGuard")
             self.group = None  # let go of it: see Note: [Group lifetime]
         if not self.fired:
             self.fired = True
@@ -152,7 +148,8 @@ class BackwardGuard:
             return
         if group.stat is H2D or group.stat is HOST:
             prev.wait_swap_in(group)
-        _prefetch_ahead(prev.previous, group.previous_link(), self.manager.config)
+        prefetch_ahead(_same_micro_batch(prev.previous, group.previous_link()),
+                       self.manager.config)
 
     def attach(self, tensors: list[torch.Tensor]) -> None:
         """Register the guard on each tensor (idempotent: the first gradient to arrive wins)."""
@@ -160,20 +157,12 @@ class BackwardGuard:
             _add_grad_hook(t, self)
 
 
-def _prefetch_ahead(manager: SwapLayerInputManager | None, group: SwapTensors | None,
-                    config: SwapConfig) -> None:
-    """Start the host-to-device copies of ``group`` (``manager``'s) and of the groups before it
-    in the same micro-batch: ``SwapConfig.prefetch_layers`` of them, while at most
-    ``SwapConfig.max_copies_in_flight`` of those copies run at once."""
-    limit, in_flight = config.max_copies_in_flight, 0
-    for _ in range(config.prefetch_layers):
-        if manager is None or group is None or not manager.prefetch_enabled:
-            return
-        if group.stat is HOST:
-            if limit is not None and in_flight >= limit:
-                return
-            manager.prefetch(group)
-        in_flight += group.stat is H2D
+def _same_micro_batch(manager: SwapLayerInputManager | None,
+                      group: SwapTensors | None) -> Iterator[SwapTensors]:
+    """``group`` (``manager``'s) and the groups before it in the same micro-batch, nearest
+    first, while their managers prefetch."""
+    while manager is not None and group is not None and manager.prefetch_enabled:
+        yield group
         manager, group = manager.previous, group.previous_link()
 
 
@@ -248,11 +237,8 @@ def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
     unguarded ones (if ``abandon``: a later call may still guard them otherwise)."""
     for prev, group in earlier:
         guarded = group.guarded
-        if guarded:
-            group.wait_copy_out()  # its source is no holder once the copy ran
-            if may_free(group.tensors, prev.name, roots=roots, since=group.entry_mark):
-                group.wait_d2h()
-                continue
+        if guarded and free_if_unheld(group, prev.name, roots):
+            continue
         if guarded or abandon:
             prev.wait_swap_in(group)  # cannot be protected or held elsewhere: keep it on device
 
@@ -273,13 +259,19 @@ def _left_region(hidden_states: torch.Tensor) -> bool:
 
 
 def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
-    """The last layer ran: no later call can guard what is still unguarded; keep it on device."""
-    if manager.module_tag not in _MAYBE_UNGUARDED:
+    """The last layer ran: no later call can guard what is still unguarded; keep it on device.
+
+    Only a chain whose ``maybe_unguarded`` is set looks; the flag is cleared here, when every
+    earlier unguarded group is back on the device. (A group that a racing thread's clear hides
+    is freed by no one: kept on the device, never read freed.)
+    """
+    chain = manager.chain
+    if not chain.maybe_unguarded:
         return
     for prev, group in manager.copying_earlier():
         if not group.guarded:
             prev.wait_swap_in(group)
-    _MAYBE_UNGUARDED.discard(manager.module_tag)
+    chain.maybe_unguarded = False
 
 
 def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor) -> None:
@@ -289,7 +281,7 @@ def guard_previous_on_input(manager: SwapLayerInputManager, hidden_states: torch
     Under reentrant checkpointing of segments of several layers, our input is the previous
     segment's output and the unguarded groups are the inputs of that segment's first layer.
     """
-    if manager.module_tag not in _MAYBE_UNGUARDED or not _left_region(hidden_states):
+    if not manager.chain.maybe_unguarded or not _left_region(hidden_states):
         return
     for prev, group in manager.copying_earlier():
         if not group.guarded:
@@ -303,9 +295,9 @@ def abandon_own_unguarded(manager: SwapLayerInputManager) -> None:
             manager.wait_swap_in(group)
 
 
-def abort_tag(module_tag: str) -> None:
-    """After an exception: bring every group of the tag back to the device and forget it."""
-    for manager in SwapLayerInputManager.managers(module_tag):
+def abort_chain(chain: LayerChain) -> None:
+    """After an exception: bring every group of the chain back to the device and forget it."""
+    for manager in chain.managers():
         while manager.batch_stack:
             manager.wait_swap_in(manager.batch_stack[0])
 
@@ -315,25 +307,27 @@ def abort_tag(module_tag: str) -> None:
 #     (``swap_stats().skipped_bytes``), with a warning for the reasons that cost a saving. That
 #     still leaves the worst case hard to see: a model enabled for swap whose every step swaps
 #     nothing (each layer input user data, a parameter, a subclass without local data, sparse)
-#     trains exactly, without error, and saves nothing. So when a tag's last layer runs, the
+#     trains exactly, without error, and saves nothing. So when a chain's last layer runs, the
 #     inputs its layers kept for backward but that the claim at their entry refused since the
 #     last layer last ran are compared with its layers (all but the last swap): when at most
 #     half of them were swapped, one warning per tag names the counts and the reasons recorded
-#     so far. Only the refusing path writes the count, so a step that swaps every layer pays one
-#     global read at its last layer. Inputs under ``SwapConfig.min_swap_bytes`` (the user's own
-#     threshold) and those host exhaustion or a shared storage kept later are counted by their
-#     reason and not here; the last two warn on their own.
+#     so far. Only the refusing path writes the count (``LayerChain.missed``), so a step that
+#     swaps every layer pays one attribute read at its last layer. Inputs under
+#     ``SwapConfig.min_swap_bytes`` (the user's own threshold) and those host exhaustion or a
+#     shared storage kept later are counted by their reason and not here; the last two warn on
+#     their own.
 
 
 def _miss(manager: SwapLayerInputManager) -> None:
     """A layer input backward keeps stayed on the device (Note: [Never a silent step])."""
-    _MISSED[manager.module_tag] = _MISSED.get(manager.module_tag, 0) + 1
+    manager.chain.missed += 1
 
 
 def check_step(manager: SwapLayerInputManager) -> None:
-    """The tag's last layer ran: warn once if its step swapped at most half of its layers'
+    """The chain's last layer ran: warn once if its step swapped at most half of its layers'
     inputs (see Note: [Never a silent step])."""
-    missed = _MISSED.pop(manager.module_tag, 0)
+    chain = manager.chain
+    missed, chain.missed = chain.missed, 0
     offered = manager.num_layers - 1
     if not missed or missed * 2 < offered:
         return
@@ -345,12 +339,6 @@ def check_step(manager: SwapLayerInputManager) -> None:
         f"(swap_stats().skipped_bytes): {reasons or 'none recorded'}. See the reasons in "
         "swap_pass.runtime.skips.SkipReason. (Shown once per model until swap_pass.reset().)"),
         stacklevel=4)
-
-
-@register_reset_hook
-def forget_missed() -> None:
-    """Drop every tag's count of inputs not swapped (called by :func:`swap_pass.reset`)."""
-    _MISSED.clear()
 
 
 # --- one layer call -------------------------------------------------------------------------
@@ -400,7 +388,7 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
     if outputs:
         BackwardGuard(manager, group, previous).attach(outputs)
     elif group is not None:  # guarded by the next call whose input left the region, if any
-        _MAYBE_UNGUARDED.add(manager.module_tag)
+        manager.chain.maybe_unguarded = True
     free_previous(earlier, roots)  # its groups are still in "d2h": our swap_out() left them alone
 
 
@@ -409,7 +397,7 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
     """Run ``call(*args, **kwargs)`` (the layer's forward) under the SwapLayerInput protocol.
 
     Any exception on the way (the layer itself, an in-place write caught at free time) brings
-    every group of the layer's tag back to the device before it propagates.
+    every group of the layer's chain back to the device before it propagates.
     """
     if _graph_task_id() != -1:  # in_backward(): a recomputation, the input is already back
         return call(*args, **kwargs)
@@ -433,9 +421,9 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
                             entry_stream)
         if manager.is_last_layer:
             abandon_unguarded_earlier(manager)
-            if _MISSED:
+            if manager.chain.missed:
                 check_step(manager)
     except BaseException:
-        abort_tag(manager.module_tag)
+        abort_chain(manager.chain)
         raise
     return result

@@ -3,16 +3,18 @@
 It finds the repeated Transformer blocks (an ``nn.ModuleList`` or ``nn.ModuleDict`` of same-class
 modules: HF ``model.layers``, GPT-2 ``transformer.h``, torchtitan's ``layers`` (a ``ModuleDict``),
 ``nn.TransformerEncoder.layers``),
-gives each block a manager under a tag of its own and shadows the block's ``forward`` with an
-instance attribute. ``handle.remove()`` deletes exactly what was added.
+gives each block a manager in a :class:`LayerChain` that the returned handle owns (one chain per
+model, under a tag of its own) and shadows the block's ``forward`` with an instance attribute.
+``handle.remove()`` deletes exactly what was added.
 
 Note: [Copies of an enabled model]
     ``copy.deepcopy`` (EMA, reference models, ``AveragedModel``) and ``pickle`` /
     ``torch.save(model)`` copy the shadowing ``forward`` (a :class:`_SwappedForward` bound to its
-    block, not a closure over the original block), the handle and the managers. A manager copies
-    itself as a fresh manager with no group in flight, registered under a new tag that every
-    manager of the same copy shares; so the copy swaps its own blocks, independently of the
-    original, and its own ``handle.remove()`` restores it. Copying while a forward's groups are
+    block, not a closure over the original block), the handle, its chain and the managers. The
+    chain copies itself as an empty chain under a new tag, and each manager as a fresh manager
+    with no group in flight that joins the copied chain (one per copy: the copy's memo); so the
+    copy swaps its own blocks, independently of the original, and its own ``handle.remove()``
+    restores it. Copying while a forward's groups are
     still off the device (before its backward) is refused: the groups' data is not part of it.
 
 Note: [Enabling is all or nothing]
@@ -20,7 +22,7 @@ Note: [Enabling is all or nothing]
     after that (a block whose ``forward`` is a read-only property, a module without an instance
     ``__dict__``, an interrupt) fails while the blocks are patched one by one: the handle
     records each change before it is made and reverts them all (the blocks' ``forward``, their
-    ``swap_manager``, the managers' registration, the model's handle) before the error
+    ``swap_manager``, the managers in its chain, the model's handle) before the error
     propagates, so the model and ``SwapLayerInputManager.manager_map`` are as before.
 """
 
@@ -33,7 +35,9 @@ from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.eager import _protocol, hf_offload
+from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter, check_module_filter, filtered_blocks
+from swap_pass.runtime.chain import LayerChain
 from swap_pass.runtime.manager import SwapLayerInputManager
 
 __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks", "kept_blocks"]
@@ -96,24 +100,26 @@ def find_layer_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict | list[
     return blocks
 
 
-class SwapLayerInputHandle:
-    """What :func:`enable_swap_layer_input` changed; ``remove()`` undoes it exactly.
+class SwapLayerInputHandle(SwapHandle):
+    """What :func:`enable_swap_layer_input` changed; ``remove()`` undoes it exactly (see
+    :class:`swap_pass.handles.SwapHandle`).
 
     Attributes:
         model: The model swap was enabled on.
         layers: The patched blocks, in call order.
+        chain: The :class:`LayerChain` of the blocks' managers, which this handle owns.
         managers: One :class:`SwapLayerInputManager` per block, same order.
-        module_tag: The tag the managers are registered under.
+        module_tag: The chain's tag.
     """
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], config: SwapConfig) -> None:
         self.model = model
         self.layers: list[nn.Module] = []
         self.managers: list[SwapLayerInputManager] = []
-        tag = f"{_API}:{type(model).__name__}@{id(model):x}"
+        self.chain = LayerChain(f"{_API}:{type(model).__name__}@{id(model):x}")
         try:  # all or nothing: see Note: [Enabling is all or nothing]
             for layer in layers:
-                self._patch(layer, SwapLayerInputManager(module_tag=tag, config=config))
+                self._patch(layer, SwapLayerInputManager(config=config, chain=self.chain))
             object.__setattr__(model, _HANDLE_ATTR, self)
         except BaseException:
             self._undo()
@@ -141,37 +147,28 @@ class SwapLayerInputHandle:
 
     @property
     def module_tag(self) -> str:
-        """The tag the managers are registered under (a copy of the model has its own)."""
-        return self.managers[0].module_tag
+        """The tag of the handle's chain (a copy of the model has its own)."""
+        return self.chain.tag
 
     @property
     def active(self) -> bool:
         """True until :meth:`remove` ran."""
         return self.model.__dict__.get(_HANDLE_ATTR) is self
 
-    def remove(self) -> None:
+    def _remove(self) -> None:
         """Restore every block's ``forward`` and drop the managers.
 
         Safe at any point, also between a forward and its backward: every input still off the
         device is restored first (that backward then runs unswapped and exact).
         """
-        if not self.active:
-            return
         for layer in self.layers:
             _unpatch(layer)
         for manager in self.managers:
             manager.unregister()
         del self.model.__dict__[_HANDLE_ATTR]
 
-    def __enter__(self) -> SwapLayerInputHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return (f"SwapLayerInputHandle(model={type(self.model).__name__}, "
-                f"layers={len(self.layers)}, active={self.active})")
+    def _repr_fields(self) -> dict[str, object]:
+        return {"model": type(self.model).__name__, "layers": len(self.layers)}
 
 
 # Note: [Inside accelerate's hooks]

@@ -33,9 +33,11 @@ import torch
 
 from swap_pass.eager import _protocol
 from swap_pass.eager._layer_io import _tensors_in, find_hidden_states, in_backward
+from swap_pass.runtime.chain import chain_of_tag
 from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import autograd_mark, may_free
-from swap_pass.runtime.swap_tensors import SwapTensors
+from swap_pass.runtime.ownership import autograd_mark
+from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
+from swap_pass.runtime.swap_tensors import HOST, SwapTensors
 
 __all__ = [
     "swap_layer_input_fboverlap_1f1b_wrapper",
@@ -65,15 +67,16 @@ def _register_manager(layer: torch.nn.Module) -> None:
             manager.unregister()
         return
     if "swap_manager" not in layer.__dict__:
-        tag = getattr(layer, "swap_module_tag", "default")
-        object.__setattr__(layer, "swap_manager", SwapLayerInputManager(module_tag=tag))
+        chain = chain_of_tag(getattr(layer, "swap_module_tag", "default"))
+        object.__setattr__(layer, "swap_manager", SwapLayerInputManager(chain=chain))
 
 
 def swap_layer_input_init_wrapper(fn: Callable[..., None]) -> Callable[..., None]:
     """Decorate a layer's ``__init__``: register one :class:`SwapLayerInputManager` per instance.
 
-    Managers are numbered in construction order under ``self.swap_module_tag`` (class or
-    instance attribute; Default: ``"default"``). Layers marked ``is_mtp`` / ``is_mtp_layer``
+    Managers are numbered in construction order in the chain of ``self.swap_module_tag`` (class
+    or instance attribute; Default: ``"default"``): one chain per tag, kept until
+    :func:`swap_pass.reset`. Layers marked ``is_mtp`` / ``is_mtp_layer``
     get no manager and leave no entry. Nested decorated ``__init__`` calls (a subclass calling
     ``super().__init__``) register once, after the outermost one returns.
     """
@@ -148,14 +151,16 @@ def _group_of(manager: SwapLayerInputManager, tensor: torch.Tensor | None) -> Sw
 
 
 def _restore_for_backward(manager: SwapLayerInputManager, layer_input: torch.Tensor | None) -> None:
-    """Make this layer's input readable, then prefetch the previous layer's (FBOverlap bwd)."""
+    """Make this layer's input readable, then prefetch the previous layer's oldest group on the
+    host (FBOverlap bwd; the steps: ``swap_pass/runtime/protocol.py``)."""
     group = _group_of(manager, layer_input)
     if group is not None:
-        manager.wait_swap_in(group)
-        group.assert_on_device("swap_layer_input_fboverlap_backward_wrapper")
+        restore_for_backward(group, manager.batch_stack,
+                             "swap_layer_input_fboverlap_backward_wrapper")
     prev = manager.previous
     if prev is not None and prev.prefetch_enabled:
-        prev.prefetch()
+        oldest = next((g for g in prev.batch_stack if g.stat is HOST), None)
+        prefetch_ahead((oldest,), prev.config)
 
 
 def _start_swap_out(manager: SwapLayerInputManager,
@@ -192,16 +197,13 @@ def _tie_to_layer_graph(result: Any, manager: SwapLayerInputManager, group: Swap
 def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None,
                      result: Any) -> None:
     if group is not None:
-        group.wait_copy_out()  # its source is no holder once the copy ran
         roots = _tensors_in(result) or []
         graph = _layer_graph_in(result)
         accounted = ([graph.layer_input]
                      if isinstance(getattr(graph, "layer_input", None), torch.Tensor) else [])
-        if not may_free(group.tensors, manager.name, roots=roots, since=group.entry_mark,
-                        accounted=accounted):
+        if not free_if_unheld(group, manager.name, roots, accounted=accounted):
             manager.wait_swap_in(group)  # another holder is left: keep it on the device
             return
-        group.wait_d2h()
         _tie_to_layer_graph(result, manager, group)
 
 
@@ -209,7 +211,7 @@ def _run_fwd(manager: SwapLayerInputManager, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except BaseException:
-        _protocol.abort_tag(manager.module_tag)
+        _protocol.abort_chain(manager.chain)
         raise
 
 

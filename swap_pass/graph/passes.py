@@ -1,5 +1,8 @@
 """``apply_swap_pass``: swap each layer's input in a traced graph that is trained in eager autograd.
 
+The graph runs the layer-input protocol of ``swap_pass/runtime/protocol.py``: each node below
+calls its steps (free after the next layer, restore before backward); the pass decides where.
+
 Graph pattern, for the input ``x_i`` of every layer but the last::
 
     g_i   = layer_input_swap_out(x_i)                  # layer i's entry: start D2H of x_i
@@ -31,9 +34,10 @@ from torch import fx
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers, with_module_filter
 from swap_pass.opt_out import ModuleFilter, check_module_filter, swap_allowed
-from swap_pass.runtime.ownership import autograd_mark, may_free, swappable_layer_inputs
+from swap_pass.runtime.ownership import autograd_mark, swappable_layer_inputs
+from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
 from swap_pass.runtime.skips import SkipReason, record_skip
-from swap_pass.runtime.swap_tensors import SwapState, SwapTensors
+from swap_pass.runtime.swap_tensors import SwapTensors
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
 
@@ -74,11 +78,8 @@ class _ReleaseLayerInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_next, group, earlier):
-        group.wait_copy_out()  # its source is no holder once the copy ran
-        if may_free(group.tensors, group.name, roots=[x_next], since=group.entry_mark):
-            group.wait_d2h()
-        else:  # another holder is left (Note: [Ownership rule]): keep it on the device
-            group.restore()
+        if not free_if_unheld(group, group.name, [x_next]):
+            group.restore()  # another holder is left (Note: [Ownership rule]): keep it on device
         ctx.group, ctx.earlier = group, earlier
         return x_next.view_as(x_next)
 
@@ -86,10 +87,10 @@ class _ReleaseLayerInput(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.group is None:  # a second backward (retain_graph=True): already restored
             return grad, None, None
-        ctx.group.restore()  # see Note: [Restoring through autograd]
+        restore_for_backward(ctx.group)  # see Note: [Restoring through autograd]
         earlier = ctx.earlier
-        if earlier is not None and earlier.config.prefetch and earlier.stat == SwapState.HOST:
-            earlier.swap_to_device()
+        if earlier is not None and earlier.config.prefetch:
+            prefetch_ahead((earlier,), earlier.config)
         # The node lives until the loss dies; holding the groups would keep every restored
         # input alive to the end of backward instead of letting autograd free it.
         ctx.group = ctx.earlier = None

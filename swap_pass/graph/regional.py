@@ -29,6 +29,7 @@ from swap_pass.eager.enable import (
     find_layer_blocks,
     refuse_module_compile,
 )
+from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter
 from swap_pass.runtime.skips import warn_once
 
@@ -61,8 +62,9 @@ def npu_backend() -> Callable:
     return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
 
 
-class CompiledLayers:
-    """What :func:`compile_layers` changed; ``remove()`` restores the layers' own ``forward``.
+class CompiledLayers(SwapHandle):
+    """What :func:`compile_layers` changed; ``remove()`` restores the layers' own ``forward``
+    (see :class:`swap_pass.handles.SwapHandle`).
 
     Attributes:
         model: The model.
@@ -80,10 +82,8 @@ class CompiledLayers:
         """True until :meth:`remove` ran."""
         return self.model.__dict__.get(_ATTR) is self
 
-    def remove(self) -> None:
+    def _remove(self) -> None:
         """Undo the swap protocol, then the compiled ``forward`` of every layer."""
-        if not self.active:
-            return
         if self.swap is not None:
             self.swap.remove()
         for layer, saved in zip(self.layers, self._saved, strict=True):
@@ -92,15 +92,9 @@ class CompiledLayers:
                 layer.__dict__["forward"] = saved
         del self.model.__dict__[_ATTR]
 
-    def __enter__(self) -> CompiledLayers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return (f"CompiledLayers(model={type(self.model).__name__}, layers={len(self.layers)}, "
-                f"swap={self.swap is not None}, active={self.active})")
+    def _repr_fields(self) -> dict[str, object]:
+        return {"model": type(self.model).__name__, "layers": len(self.layers),
+                "swap": self.swap is not None}
 
 
 def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:

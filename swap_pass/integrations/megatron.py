@@ -39,6 +39,7 @@ from torch import nn
 from swap_pass.config import SwapConfig
 from swap_pass.eager.enable import SwapLayerInputHandle, enable_swap_layer_input
 from swap_pass.eager.wrappers import swap_layer_input_forward_wrapper, swap_layer_input_init_wrapper
+from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter
 
 __all__ = ["MegatronSwapHandle", "enable", "layers_to_swap", "swap_layer_spec"]
@@ -77,8 +78,9 @@ def layers_to_swap(block: nn.Module) -> list[nn.Module]:
     return layers
 
 
-class MegatronSwapHandle:
-    """What :func:`enable` changed: one :class:`SwapLayerInputHandle` per model chunk.
+class MegatronSwapHandle(SwapHandle):
+    """What :func:`enable` changed: one :class:`SwapLayerInputHandle` per model chunk (see
+    :class:`swap_pass.handles.SwapHandle`).
 
     Attributes:
         handles: One handle per chunk, in chunk order.
@@ -97,19 +99,18 @@ class MegatronSwapHandle:
         """Every layer's manager, chunk by chunk."""
         return [m for handle in self.handles for m in handle.managers]
 
-    def remove(self) -> None:
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` ran on every chunk."""
+        return any(handle.active for handle in self.handles)
+
+    def _remove(self) -> None:
         """Undo :func:`enable` on every chunk."""
         for handle in self.handles:
             handle.remove()
 
-    def __enter__(self) -> MegatronSwapHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return f"MegatronSwapHandle(chunks={len(self.handles)}, layers={len(self.layers)})"
+    def _repr_fields(self) -> dict[str, object]:
+        return {"chunks": len(self.handles), "layers": len(self.layers)}
 
 
 def enable(model: nn.Module | Iterable[nn.Module], *, config: SwapConfig | None = None,

@@ -1,6 +1,8 @@
 """Per-layer swap bookkeeping: which groups of a layer are off the device, in micro-batch order.
 
-Forward of layer ``i`` (MindSpeed's protocol, driven by the eager wrappers)::
+The steps of the protocol (what frees when, what restores when) are in
+``swap_pass/runtime/protocol.py``; a manager keeps one layer's groups for them. Forward of layer
+``i`` (MindSpeed's protocol, driven by the eager wrappers)::
 
     layer i runs -> manager[i-1].free_swapped_out()     # wait D2H of layer i-1's input, free it
                  -> manager[i].swap_out(layer i input)  # start its D2H (not for the last layer)
@@ -17,24 +19,30 @@ one the next backward needs. Callers that hold their group pass it explicitly in
 
 from __future__ import annotations
 
-import itertools
-import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from types import MappingProxyType
 
 import torch
 
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.opt_out import swap_allowed
+from swap_pass.runtime.chain import (
+    LayerChain,
+    chain_of_tag,
+    find_chain,
+    layer_map,
+    reset_chains,
+    still_copying,
+)
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.host_pool import block_bytes, preflight
 from swap_pass.runtime.ownership import swappable_layer_inputs
+from swap_pass.runtime.protocol import restore_for_backward
 from swap_pass.runtime.skips import SkipReason, record_skip
 from swap_pass.runtime.subclasses import claim_not_plain
 from swap_pass.runtime.swap_tensors import (
     D2H,
-    DEVICE,
     HOST,
     SwapTensors,
     is_valid_for_swap,
@@ -44,59 +52,17 @@ from swap_pass.runtime.swap_tensors import (
 __all__ = ["SwapLayerInputManager"]
 
 
-class _TagToken:
-    """Shared by the managers of one tag, so that a copy of them all gets one new tag.
-
-    ``copy.deepcopy`` and ``pickle`` copy a shared object once per copy operation (their memo),
-    so every manager of one copied model lands under the same fresh tag, distinct from the
-    original's (see Note: [Copies of an enabled model] in ``swap_pass/eager/enable.py``).
-    """
-
-    _counter: ClassVar[itertools.count] = itertools.count(1)
-    _live: ClassVar[weakref.WeakValueDictionary[str, _TagToken]] = weakref.WeakValueDictionary()
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    @classmethod
-    def of(cls, name: str) -> _TagToken:
-        token = cls._live.get(name)
-        if token is None:
-            token = cls._live[name] = cls(name)
-        return token
-
-    def __reduce__(self) -> tuple:
-        return (_fresh_tag, (self.name.split("+copy")[0],))
-
-
-def _fresh_tag(stem: str) -> _TagToken:
-    return _TagToken.of(f"{stem}+copy{next(_TagToken._counter)}")
-
-
-def _rebuild_manager(token: _TagToken, custom_check_fn, prefetch: bool,
+def _rebuild_manager(chain: LayerChain, custom_check_fn, prefetch: bool,
                      config: SwapConfig) -> SwapLayerInputManager:
-    return SwapLayerInputManager(token.name, custom_check_fn, prefetch, config)
+    return SwapLayerInputManager(chain.tag, custom_check_fn, prefetch, config, chain=chain)
 
 
-# A tag's list of copies that may still run is compacted by every copying_earlier() call; one
-# that no caller scans is compacted when it grows past this many entries.
-_COMPACT_COPYING_AT = 64
+class _ManagerMapView:
+    """``SwapLayerInputManager.manager_map``: ``{module_tag: [manager, ...]}`` of every live
+    chain with registered managers, in layer order; read-only (built at each read)."""
 
-
-def _still_copying(copying: list[tuple[SwapLayerInputManager, weakref.ref[SwapTensors]]],
-                   before: int) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
-    """Drop the entries of ``copying`` whose copy is over (in place); return ``(manager, group)``
-    for the rest whose layer comes before layer ``before``, in start order."""
-    found, kept = [], 0
-    for entry in copying:
-        group = entry[1]()
-        if group is not None and group.stat is D2H:
-            copying[kept] = entry
-            kept += 1
-            if entry[0].layer_idx < before:
-                found.append((entry[0], group))
-    del copying[kept:]
-    return found
+    def __get__(self, obj: object, owner: type) -> MappingProxyType:
+        return MappingProxyType(layer_map())
 
 
 def _opted_out(tensors: list[torch.Tensor], where: str) -> list[torch.Tensor]:
@@ -106,35 +72,27 @@ def _opted_out(tensors: list[torch.Tensor], where: str) -> list[torch.Tensor]:
     return []
 
 
-def _renumber(layers: list[SwapLayerInputManager]) -> None:
-    """Give each manager of one tag its place in ``layers`` (call with ``_map_lock`` held).
-
-    Places are plain attributes, set here at every change of ``manager_map`` (construction,
-    re-registration, unregister, reset) rather than looked up at each of the several reads per
-    layer call.
-    """
-    last = len(layers) - 1
-    for idx, manager in enumerate(layers):
-        manager._set_place(idx, layers[idx - 1] if idx > 0 else None,
-                           layers[idx + 1] if idx < last else None)
-
-
 class SwapLayerInputManager:
-    """Swap bookkeeping of one layer instance, registered under ``module_tag``.
+    """Swap bookkeeping of one layer instance: its place in a :class:`LayerChain`, its FIFO.
 
     Args:
-        module_tag: Groups managers into one layer sequence (one model, or one block type).
-            Default: ``"default"``.
+        module_tag: Groups managers into one layer sequence (one block type): a manager built
+            without ``chain`` joins the chain of its tag. Default: ``"default"``.
         custom_check_fn: Extra predicate for which tensors may be swapped. Default: ``None``.
         prefetch: Whether backward should start this layer's H2D one layer ahead. Default: ``True``.
         config: Runtime knobs shared by the layer's groups. Default: ``SwapConfig()``.
+        chain: The chain to join as its last layer (a handle's: one model). Default: ``None``
+            (the chain of ``module_tag``).
 
     Attributes:
-        manager_map: Class-level ``{module_tag: [manager, ...]}`` in construction order.
-        layer_idx: This manager's position in its tag's list.
+        manager_map: Class-level, read-only ``{module_tag: [manager, ...]}`` of every chain, in
+            layer order (a view: see ``swap_pass/runtime/chain.py``).
+        chain: The chain this manager belongs to.
+        module_tag: Its chain's tag.
+        layer_idx: This manager's position in its chain.
         previous: The manager of the layer before this one, if any (None once unregistered).
         next: The manager of the layer after this one, if any (None once unregistered).
-        is_last_layer: True for the last layer of the tag, whose input is never swapped.
+        is_last_layer: True for the last layer of the chain, whose input is never swapped.
         name: The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``.
         batch_stack: FIFO of this layer's groups in flight, one per micro-batch.
         layer_parameter: A weak reference to the layer's first parameter, kept by the eager
@@ -142,15 +100,7 @@ class SwapLayerInputManager:
             ``swap_pass/eager/_layer_io.py``); None until the first call.
     """
 
-    manager_map: ClassVar[dict[str, list[SwapLayerInputManager]]] = {}
-    _map_lock: ClassVar[threading.RLock] = threading.RLock()
-    # Managers that reset() dropped, per tag in layer order: re-registered on their next use.
-    _retired: ClassVar[dict[str, list[weakref.ref[SwapLayerInputManager]]]] = {}
-    # Per tag, ``(manager, weak reference to group)`` for the groups whose device-to-host copy a
-    # manager started and that may still be in "d2h", in start order: finding earlier layers'
-    # copies at every layer call walks these, not every earlier manager's FIFO. Weak: a group
-    # whose copy is over must not stay alive (with its tensors) until the next scan.
-    _copying: ClassVar[dict[str, list[tuple[SwapLayerInputManager, weakref.ref[SwapTensors]]]]] = {}
+    manager_map = _ManagerMapView()
 
     def __init__(
         self,
@@ -158,9 +108,11 @@ class SwapLayerInputManager:
         custom_check_fn: Callable[[torch.Tensor], bool] | None = None,
         prefetch: bool = True,
         config: SwapConfig | None = None,
+        *,
+        chain: LayerChain | None = None,
     ) -> None:
-        self.module_tag = module_tag
-        self._token = _TagToken.of(module_tag)
+        self.chain = chain_of_tag(module_tag) if chain is None else chain
+        self.module_tag = self.chain.tag
         self.custom_check_fn = custom_check_fn
         self.config = (SwapConfig(prefetch=prefetch) if config is None
                        else check_config(config, "SwapLayerInputManager"))
@@ -168,10 +120,7 @@ class SwapLayerInputManager:
         self.batch_stack: list[SwapTensors] = []
         self.layer_parameter: weakref.ref[torch.nn.Parameter] | None = None
         self._preflighted: set[int] = set()
-        with self._map_lock:
-            layers = self.manager_map.setdefault(module_tag, [])
-            layers.append(self)
-            _renumber(layers)
+        self.chain.add(self)
 
     def __repr__(self) -> str:
         return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, "
@@ -186,15 +135,15 @@ class SwapLayerInputManager:
                 f"{len(self.batch_stack)} swapped input(s) of a forward are still in flight. "
                 "Copy the model after backward (or after swap_pass.reset())."
             )
-        return (_rebuild_manager, (self._token, self.custom_check_fn, self.prefetch_enabled,
+        return (_rebuild_manager, (self.chain, self.custom_check_fn, self.prefetch_enabled,
                                    self.config))
 
     # --- position in the layer sequence -------------------------------------------------------
 
     @property
     def num_layers(self) -> int:
-        """Number of managers under this manager's tag."""
-        return len(self.manager_map.get(self.module_tag, ()))
+        """Number of managers in this manager's chain."""
+        return len(self.chain.layers)
 
     def _set_place(self, idx: int, previous: SwapLayerInputManager | None,
                    next: SwapLayerInputManager | None, *, registered: bool = True) -> None:
@@ -206,41 +155,24 @@ class SwapLayerInputManager:
         self._in_map = registered
 
     def _drop_place(self) -> None:
-        """Out of ``manager_map``: no neighbours until registered again (index kept)."""
+        """Out of its chain: no neighbours until registered again (index kept)."""
         self._set_place(self.layer_idx, None, None, registered=False)
 
     def ensure_registered(self) -> None:
-        """Called at each layer call: after :func:`swap_pass.reset`, register again.
+        """Called at each layer call: after :func:`swap_pass.reset`, join the chain again.
 
-        The managers of the tag that reset() dropped come back together, in their old order,
-        so that the first step after a reset swaps exactly like the steps before it.
+        The managers of the chain that reset() retired come back together, in their old order,
+        so that the first step after a reset swaps exactly like the steps before it (Note:
+        [Reset retires a chain's managers] in ``swap_pass/runtime/chain.py``).
         """
         if self._in_map:  # every call but the first after a reset
             return
-        with self._map_lock:
-            if self._in_map:
-                return
-            retired = [ref() for ref in self._retired.pop(self.module_tag, [])]
-            peers = [m for m in retired if m is not None]
-            for manager in peers if self in peers else [*peers, self]:
-                layers = self.manager_map.setdefault(self.module_tag, [])
-                if manager not in layers:
-                    layers.append(manager)
-            _renumber(self.manager_map[self.module_tag])
+        self.chain.rejoin(self)
 
     def unregister(self) -> None:
-        """Drop this manager from ``manager_map`` (restoring its groups) and renumber the rest."""
+        """Leave the chain (restoring this manager's groups); the rest is renumbered."""
         self.clear()
-        with self._map_lock:
-            layers = self.manager_map.get(self.module_tag, [])
-            if self in layers:
-                layers.remove(self)
-            copying = self._copying.get(self.module_tag, [])
-            copying[:] = [entry for entry in copying if entry[0] is not self]
-            self._drop_place()
-            _renumber(layers)
-            if not layers:
-                self.manager_map.pop(self.module_tag, None)
+        self.chain.remove(self)
 
     # --- forward side -------------------------------------------------------------------------
 
@@ -297,12 +229,7 @@ class SwapLayerInputManager:
             self.preflight_for(block_bytes(group.host_nbytes, pinned))
         self.batch_stack.append(group)
         group.swap_to_host()
-        copying = self._copying.get(self.module_tag)
-        if copying is None:
-            copying = self._copying.setdefault(self.module_tag, [])
-        copying.append((self, weakref.ref(group)))
-        if len(copying) > _COMPACT_COPYING_AT:  # callers that never scan (FBOverlap): stay small
-            _still_copying(copying, 0)
+        self.chain.note_copy(self, group)
         return group
 
     def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
@@ -311,10 +238,10 @@ class SwapLayerInputManager:
         Nearest layer first, each layer's groups in micro-batch order; empty when this manager
         is not registered.
         """
-        copying = self._copying.get(self.module_tag)
+        copying = self.chain.copying
         if not copying or not self._in_map:
             return []
-        found = _still_copying(copying, self.layer_idx)
+        found = still_copying(copying, self.layer_idx)
         if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return found
@@ -361,10 +288,7 @@ class SwapLayerInputManager:
             if not self.batch_stack:
                 return None
             group = self.batch_stack[0]
-        if group.stat is not DEVICE:
-            group.restore()
-        if group in self.batch_stack:  # groups compare by identity
-            self.batch_stack.remove(group)
+        restore_for_backward(group, self.batch_stack)
         return group
 
     # --- cleanup ------------------------------------------------------------------------------
@@ -387,22 +311,15 @@ class SwapLayerInputManager:
 
     @classmethod
     def managers(cls, module_tag: str = "default") -> list[SwapLayerInputManager]:
-        """The managers registered under ``module_tag``, in layer order (a copy)."""
-        with cls._map_lock:
-            return list(cls.manager_map.get(module_tag, ()))
+        """The managers registered in the chain named ``module_tag``, in layer order (a copy)."""
+        chain = find_chain(module_tag)
+        return chain.managers() if chain is not None else []
 
     @classmethod
     def reset_all(cls) -> None:
-        """Restore every group of every manager and empty ``manager_map``.
+        """Restore every group of every chain and empty ``manager_map``.
 
-        A manager whose layer is still alive registers again at its next call
+        A manager whose layer is still alive joins its chain again at its next call
         (:meth:`ensure_registered`), with its peers in their old order.
         """
-        with cls._map_lock:
-            for tag, layers in list(cls.manager_map.items()):
-                for manager in layers:
-                    manager.clear()
-                    manager._drop_place()
-                cls._retired[tag] = [weakref.ref(m) for m in layers]
-            cls.manager_map.clear()
-            cls._copying.clear()
+        reset_chains()

@@ -9,6 +9,7 @@ import torch
 
 import swap_pass
 from swap_pass import SwapLayerInputManager, SwapTensors
+from swap_pass.runtime.chain import LayerChain, chain_of_tag
 
 
 def test_registration_order_and_tags() -> None:
@@ -155,6 +156,26 @@ def test_copies_list_stays_small_when_no_caller_scans_it(device) -> None:
         if step == 0:
             assert t.untyped_storage().nbytes() == 0  # really swapped out
         managers[0].wait_swap_in(group)
-    copying = SwapLayerInputManager._copying["unscanned"]
+    copying = managers[0].chain.copying
     assert len(copying) <= 65
     assert managers[1].copying_earlier() == [] and copying == []  # a scan drops the rest
+
+
+def test_manager_map_is_a_read_only_view_of_the_live_chains() -> None:
+    chain = LayerChain("owned")  # what a handle holds: one model's managers
+    owned = [SwapLayerInputManager(chain=chain) for _ in range(2)]
+    tagged = SwapLayerInputManager("by-tag")  # what the decorators build: the chain of its tag
+    assert tagged.chain is chain_of_tag("by-tag") and chain.layers == owned
+    view = SwapLayerInputManager.manager_map
+    assert view == {"owned": owned, "by-tag": [tagged]}
+    with pytest.raises(TypeError):
+        view["other"] = []
+    swap_pass.reset()  # empties every chain; a layer's next call brings its peers back in order
+    assert SwapLayerInputManager.manager_map == {} and chain.layers == []
+    owned[1].ensure_registered()
+    assert chain.layers == owned and [m.layer_idx for m in owned] == [0, 1]
+    del owned, chain, view  # nothing else owns that chain: it goes with its managers
+    gc.collect()
+    assert list(SwapLayerInputManager.manager_map) == []
+    tagged.ensure_registered()
+    assert SwapLayerInputManager.manager_map == {"by-tag": [tagged]}
