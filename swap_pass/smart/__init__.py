@@ -4,7 +4,8 @@ Pieces (each usable alone): :mod:`~swap_pass.smart.profiler` (lightweight signat
 profile), :mod:`~swap_pass.smart.stages` (warmup -> gen_policy -> stable),
 :mod:`~swap_pass.smart.policy` (MRL, candidates, greedy choice), :mod:`~swap_pass.smart.simulator`
 (stall and peak of a choice), :mod:`~swap_pass.smart.executor` (the saved-tensor hooks; with
-:mod:`~swap_pass.smart.saved_handles`, :mod:`~swap_pass.smart.matcher`,
+:mod:`~swap_pass.smart.recorder` (recording a step), :mod:`~swap_pass.smart.follower`
+(following a plan), :mod:`~swap_pass.smart.saved_handles`, :mod:`~swap_pass.smart.matcher`,
 :mod:`~swap_pass.smart.reports` and :mod:`~swap_pass.smart.bandwidth`),
 :mod:`~swap_pass.smart.saved_local` (the plain local tensor of a saved tensor, or why it stays),
 :mod:`~swap_pass.smart.plan_cache` (one plan per operator sequence seen).

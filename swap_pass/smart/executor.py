@@ -7,12 +7,16 @@ Per saved tensor (pack)::
           layers later, see Note: [Waiting for a copy a logical layer later]; else at once on
           CPU, at the next poll on an accelerator)
     key = (op, module call site, dtype, shape, model state)
-    planned step: match key to the policy (window search from a cursor) -> swap or keep (tracked,
-          so that a fallback can still move it; see Note: [Falling back mid-step]); on a miss,
-          maybe switch to a cached plan (Note: [Choosing a cached plan mid-step])
+    stable step: the micro-batch's Follower (follower.py) matches key to the policy (window
+          search from a cursor) -> swap or keep (tracked, so that a fallback can still move
+          it; see Note: [Falling back mid-step]); on a miss, maybe switch to a cached plan
+          (Note: [Choosing a cached plan mid-step])
     a forward after a backward: a new micro-batch, the plan restarts (gradient accumulation)
-    conservative step (warmup, gen_policy, or too many misses): every eligible activation
+    conservative (warmup, gen_policy, or a stable micro-batch after too many misses): every
+          eligible activation
     -> handle(alias over the same storage) or the tensor itself (unmatched, state, not swappable)
+    gen_policy step (and stable ones with a plan cache): the micro-batch's Recorder
+          (recorder.py) notes the pack and its storage's life for the policy
 
 Per unpack: restore the storage from any state (``group.restore()``), assert it is on the device,
 then start the copies back of the storages the plan prefetches at this point. Every moved
@@ -45,17 +49,13 @@ from swap_pass.runtime.swap_tensors import (
     is_valid_for_swap,
 )
 from swap_pass.smart.bandwidth import CopyClock, measure_copy_bandwidth
+from swap_pass.smart.follower import Follower
 from swap_pass.smart.matcher import OnlineMatcher
+from swap_pass.smart.plan_cache import PlanCache
 from swap_pass.smart.policy import SwapPolicy
-from swap_pass.smart.profiler import (
-    DetailedProfile,
-    SavedRecord,
-    StorageLife,
-    feature_key,
-    op_name,
-    state_key,
-)
-from swap_pass.smart.reports import ExecMode, MicroBatchReport, StepReport
+from swap_pass.smart.profiler import FeatureTracker, feature_key, op_name, state_key
+from swap_pass.smart.recorder import Recorder, Ticks
+from swap_pass.smart.reports import MicroBatchReport, StepReport
 from swap_pass.smart.saved_handles import (
     Handle,
     MicroBatch,
@@ -64,10 +64,19 @@ from swap_pass.smart.saved_handles import (
     check_version,
 )
 from swap_pass.smart.saved_local import local_of, storage_nbytes, wait_collective
+from swap_pass.smart.stages import Stage
 
 # Re-exported: the reports, the matcher and the bandwidth probe lived here before.
-__all__ = ["ExecMode", "MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
+__all__ = ["MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
            "measure_copy_bandwidth"]
+
+
+def __getattr__(name: str):
+    """``ExecMode``, deprecated (see :mod:`swap_pass.smart.reports`)."""
+    if name == "ExecMode":
+        from swap_pass.smart import reports
+        return reports.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _in_backward() -> bool:
@@ -79,46 +88,56 @@ def _in_backward() -> bool:
 class SmartExecutor:
     """Pack/unpack hooks for one model; one instance lives as long as its :class:`SmartSwap`.
 
+    Each step runs in a :class:`Stage` (:meth:`begin_step`), and each micro-batch of it gets
+    what that stage needs: ``warmup`` neither plan nor profile (every eligible activation
+    leaves once nothing else holds it), ``gen_policy`` a :class:`Recorder`, ``stable`` a
+    :class:`Follower` of the step's plan (and a :class:`Recorder` too with a plan cache, so that
+    a new shape is planned from its first step). The executor owns the storages, their copies
+    and the step's report; the recorder only records, the follower only decides.
+
     Args:
         swap_config: Runtime knobs for the :class:`SwapTensors` groups (host caps, streams).
+        call_sites: The model's :class:`FeatureTracker` (the module running, whether the
+            model's forward runs); the executor's :meth:`poll` is one of its post-forward
+            callbacks.
+        plan_cache: The plans a stable micro-batch may switch to, or None (no cache: stable
+            steps do not record either).
         min_swap_bytes: Storages below this are never moved.
         match_window: :class:`OnlineMatcher` window.
         miss_limit: Consecutive unmatched tensors after which a planned step turns conservative.
         conservative_prefetch: In conservative steps, storages (in reverse release order)
-            brought back ahead of the one being read.
-
-    Attributes:
-        candidates: Returns the cached plans a planned micro-batch may switch to, most recently
-            used first. Default: none.
-        record_planned: Planned steps also record a :class:`DetailedProfile` (so that a new
-            shape is planned from its first step). Default: ``False``.
+            brought back ahead of the one being read. Default: ``1``.
+        where: Name in skip records (``"SmartSwap(<model class>)"``). Default: ``"SmartSwap"``.
+        left_out: ``fqn -> bool``: True for the modules the user's ``module_filter_fn``
+            refuses. Default: ``None`` (none refused).
     """
 
-    def __init__(self, swap_config: SwapConfig, *, min_swap_bytes: int, match_window: int,
-                 miss_limit: int, conservative_prefetch: int = 1) -> None:
+    def __init__(self, swap_config: SwapConfig, *, call_sites: FeatureTracker,
+                 plan_cache: PlanCache | None, min_swap_bytes: int, match_window: int,
+                 miss_limit: int, conservative_prefetch: int = 1, where: str = "SmartSwap",
+                 left_out=None) -> None:
         self.swap_config = swap_config
+        self.call_sites = call_sites
+        self.plan_cache = plan_cache
         self.min_swap_bytes = min_swap_bytes
         self.match_window = match_window
         self.miss_limit = miss_limit
         self.conservative_prefetch = conservative_prefetch
-        self.state_ptrs: set[int] = set()
-        self.where = "SmartSwap"
-        self.fqn = lambda: ""
-        self.left_out = lambda fqn: False  # the user's module_filter_fn refuses the module
-        self.in_forward = lambda: False
-        self.candidates = lambda: ()
-        self.record_planned = False
-        self.begin_step(ExecMode.CONSERVATIVE, None)
+        self.where = where
+        self.left_out = left_out
+        self._ticks = Ticks()
+        self.begin_step(Stage.WARMUP, None, set())
 
     # --- step and micro-batch boundaries ------------------------------------------------------
 
-    def begin_step(self, mode: ExecMode, policy: SwapPolicy | None) -> None:
-        """Start a step in ``mode`` (``policy`` is required for ``PLANNED``)."""
-        if mode == ExecMode.PLANNED and policy is None:
-            raise ValueError("swap_pass.SmartSwap: a planned step got no policy. It must have one.")
-        self.step_mode, self.policy = mode, policy
-        self.report = StepReport(keys=[], signature=0, mode=mode)
-        self.tick = 0
+    def begin_step(self, stage: Stage, policy: SwapPolicy | None, state_ptrs: set[int]) -> None:
+        """Start a step in ``stage`` (``policy`` is required for ``stable``; ``state_ptrs``:
+        the data pointers of the model's parameter and buffer storages, never moved)."""
+        if stage == Stage.STABLE and policy is None:
+            raise ValueError("swap_pass.SmartSwap: a stable step got no policy. It must have one.")
+        self.stage, self.policy, self._state_ptrs = stage, policy, state_ptrs
+        self.report = StepReport(keys=[], signature=0, stage=stage)
+        self._ticks.now = 0
         self._clock = CopyClock()  # the step's copy time: see Note: [Timing on the device]
         self._n_storages = 0
         self._inflight: list[Slot] = []  # swap_to_host issued, wait_d2h not yet
@@ -127,11 +146,11 @@ class SmartExecutor:
 
     def forget_pending(self) -> None:
         """Start the current step's bookkeeping again (:func:`swap_pass.reset` restored every
-        group); the mode and plan stay. Tensors saved before still restore at their unpack."""
-        self.begin_step(self.step_mode, self.policy)
+        group); the stage and plan stay. Tensors saved before still restore at their unpack."""
+        self.begin_step(self.stage, self.policy, self._state_ptrs)
 
     def _begin_micro_batch(self) -> None:
-        """Reset the per-pass state: every micro-batch of a step runs the plan from its start.
+        """Start a micro-batch: it runs the plan from its start, with what its stage needs.
 
         Note: [Micro-batches in flight]
         A plan covers one micro-batch: its forward, then its backward. Gradient accumulation
@@ -149,23 +168,30 @@ class SmartExecutor:
         backward) are one sequence to the executor and planned as one.
         """
         self._complete_inflight()
-        self.mode = self.step_mode
-        record = (self.mode == ExecMode.DETAILED
-                  or (self.mode == ExecMode.PLANNED and self.record_planned))
-        self._units = [u for u in self._units if u.holds_saved()]
-        self._evict(self._units)
-        self.unit = MicroBatch(self.policy if self.mode == ExecMode.PLANNED else None,
-                                self.match_window, record)
-        self._units.append(self.unit)
-        self.unit.report.in_flight = len(self._units)
-        self.report.max_in_flight = max(self.report.max_in_flight, len(self._units))
+        units = [u for u in self._units if u.holds_saved()]
+        self._evict(units)
+        self.unit = MicroBatch(self._follower(), self._recorder())
+        units.append(self.unit)
+        self._units = units
+        self.unit.report.in_flight = len(units)
+        self.report.max_in_flight = max(self.report.max_in_flight, len(units))
         self.report.units.append(self.unit.report)
         self.report.micro_batches += 1
-        self.backward = False
-        self._slots: dict[int, weakref.ref] = {}  # storage _cdata -> slot
-        self._pending: list[weakref.ref] = []  # slots waiting for their last holder to let go
-        self._kept: list[weakref.ref] = []  # tracked slots a planned step keeps on the device
-        self._miss_streak = 0
+
+    def _follower(self) -> Follower | None:
+        """A :class:`Follower` of the step's plan in ``stable`` steps, else None."""
+        if self.stage != Stage.STABLE:
+            return None
+        cache = self.plan_cache
+        return Follower(self.policy, window=self.match_window, miss_limit=self.miss_limit,
+                        plans=cache.plans if cache is not None else tuple)
+
+    def _recorder(self) -> Recorder | None:
+        """A :class:`Recorder` in ``gen_policy`` steps, and in ``stable`` ones with a plan
+        cache (a new shape is planned from its first step); else None."""
+        record = (self.stage == Stage.GEN_POLICY
+                  or (self.stage == Stage.STABLE and self.plan_cache is not None))
+        return Recorder(self._ticks) if record else None
 
     def _evict(self, units: list[MicroBatch]) -> None:
         """Move to the host what ``units`` (earlier micro-batches still waiting for their
@@ -181,9 +207,8 @@ class SmartExecutor:
                     continue
                 group = self._timed(lambda s=slot: _waited(self._swap_out(s)),
                                     slot.aliases[0].device, to_host=True)
-                profile = unit.profile
-                if profile is not None and profile.storages[slot.ordinal].released is None:
-                    profile.storages[slot.ordinal].released = self.tick
+                if unit.recorder is not None:
+                    unit.recorder.released(slot)
                 self.report.evicted_bytes += group.nbytes
 
     def end_step(self, step_s: float) -> StepReport:
@@ -191,14 +216,13 @@ class SmartExecutor:
         self._complete_inflight()
         rep = self.report
         self._close_unit()
-        # A planned step (the steady state) counts the copies finished by now, waiting for none.
-        transfer_s = None
-        for unit in rep.units:  # step time and copy time shared evenly by the micro-batches
-            if unit.profile is not None:
-                if transfer_s is None:
-                    transfer_s = self._clock.seconds(wait=self.step_mode != ExecMode.PLANNED)
-                unit.profile.step_s = step_s / rep.micro_batches
-                unit.profile.transfer_s = transfer_s / rep.micro_batches
+        profiles = [unit.profile for unit in rep.units if unit.profile is not None]
+        if profiles:  # step time and copy time shared evenly by the micro-batches
+            # A stable step (the steady state) counts the copies finished by now, waiting for none.
+            transfer_s = self._clock.seconds(wait=self.stage != Stage.STABLE)
+            for profile in profiles:
+                profile.step_s = step_s / rep.micro_batches
+                profile.transfer_s = transfer_s / rep.micro_batches
         first = rep.units[0]
         rep.keys, rep.profile = first.keys, first.profile
         rep.signature = hash(tuple(rep.keys))
@@ -206,21 +230,22 @@ class SmartExecutor:
 
     def _close_unit(self) -> None:
         unit = self.unit
-        unit.report.plan = unit.policy if self.mode == ExecMode.PLANNED else None
-        unit.report.by_structure = unit.by_structure
-        if unit.profile is not None:
-            unit.profile.end_tick = self.tick
+        unit.report.plan = unit.policy if unit.following else None
+        unit.report.by_structure = unit.follower is not None and unit.follower.by_structure
+        if unit.recorder is not None:
+            unit.recorder.close()
 
     # --- forward ------------------------------------------------------------------------------
 
     def poll(self) -> None:
         """Swap out every pending storage nobody but us holds (called at packs and module exits)."""
-        self.tick += 1
+        self._ticks.advance()
         self._complete_due()
-        if self.backward or not self._pending:
+        unit = self.unit
+        if unit.backward or not unit.pending:
             return
         keep = []
-        for ref in self._pending:
+        for ref in unit.pending:
             slot = ref()
             if slot is None or slot.group is not None:
                 continue
@@ -228,12 +253,12 @@ class SmartExecutor:
                 self._release(slot)
             else:
                 keep.append(ref)
-        self._pending = keep
+        unit.pending = keep
 
     def pack(self, t: torch.Tensor):
         """The pack hook."""
         self.poll()
-        if self.backward:
+        if self.unit.backward:
             if _in_backward():  # saved during backward (double backward, recompute): leave it
                 return t
             self._close_unit()  # a new forward after a backward: the next micro-batch
@@ -241,7 +266,8 @@ class SmartExecutor:
         if not swap_allowed():  # Note: [Opting out] in swap_pass/opt_out.py
             record_skip(SkipReason.NO_SWAP, storage_nbytes(t), where=self.where)
             return t
-        if self.left_out(self.fqn()):
+        fqn = self.call_sites.fqn
+        if self.left_out is not None and self.left_out(fqn):
             record_skip(SkipReason.MODULE_FILTER, storage_nbytes(t), where=self.where)
             return t
         local = local_of(t)  # Note: [Saved DTensors] in saved_local.py
@@ -249,21 +275,22 @@ class SmartExecutor:
             self._skip(t, local)
             return t
         storage = local.untyped_storage()
-        is_state = storage.data_ptr() in self.state_ptrs
-        op, fqn = op_name(t), self.fqn()
-        state = state_key(t, storage, self.state_ptrs)
+        is_state = storage.data_ptr() in self._state_ptrs
+        op = op_name(t)
+        state = state_key(t, storage, self._state_ptrs)
         key = feature_key(op, fqn, t.dtype, t.shape, state)
         unit = self.unit
         live = len(unit.report.keys)
         unit.report.keys.append(key)
         unit.classes.append(feature_key(op, fqn, t.dtype, len(t.shape), state))
         pos = None
-        if unit.policy is not None and self.mode == ExecMode.PLANNED:
+        if unit.following:
             pos = self._match(key, storage.nbytes(), is_state)
             self._complete_due()  # a new logical layer may have begun
         handle = self._handle(t, local, storage, is_state, pos, live)
-        if unit.profile is not None:
-            self._record(t, storage, op, fqn, key, live, handle)
+        if unit.recorder is not None:
+            unit.recorder.saved(t, storage.nbytes(), op, fqn, key, unit.classes[-1], live,
+                                handle.slot if type(handle) is Handle else None)
         unit.handles.append(weakref.ref(handle) if type(handle) is Handle else None)
         return handle
 
@@ -280,31 +307,28 @@ class SmartExecutor:
         unit = self.unit
         big = storage.nbytes() >= max(self.min_swap_bytes, 1)
         if pos is not None:
-            swap = unit.entry_swap(pos)
+            swap = unit.follower.entry_swap(pos)
         else:  # conservative, or unmatched after a fallback (maybe this very miss)
-            swap = big and self.mode != ExecMode.PLANNED
+            swap = big and not unit.following
         index = -1 if pos is None else pos
-        if not is_state and is_valid_for_swap(local) and (swap or big or unit.profile is not None):
+        record = unit.recorder is not None
+        if not is_state and is_valid_for_swap(local) and (swap or big or record):
             return self._track(t, storage, swap, index, live)
-        if pos is not None or unit.profile is not None:
+        if pos is not None or record:
             return Handle(None, t, index, live, unit)
         return t
 
     def _match(self, key: int, nbytes: int, is_state: bool) -> int | None:
-        unit = self.unit
-        j = unit.matcher.match(unit.classes[-1] if unit.by_structure else key)
-        if j is None and not is_state and self.mode == ExecMode.PLANNED:
-            j = self._switch_plan(key, nbytes)
-        if not is_state:  # model state matches whatever the activations do: it proves nothing
-            self._miss_streak = 0 if j is not None else self._miss_streak + 1
+        """The plan position of the tensor being saved (the follower's), counted in the report;
+        after ``miss_limit`` misses in a row the micro-batch falls back."""
+        follower = self.unit.follower
+        j = follower.match(self.unit, key, nbytes, is_state)
         if j is None:
-            unit.misses += 1
             self.report.unmatched += 1
-            if self._miss_streak >= self.miss_limit and self.mode == ExecMode.PLANNED:
+            if follower.lost():
                 self._fall_back()
         else:
             self.report.matched += 1
-            unit.group = unit.policy.entries[j].group
         return j
 
     def _fall_back(self) -> None:
@@ -318,93 +342,16 @@ class SmartExecutor:
         change step kept them all and passed the budget (by 21% on the CPU model, 12 -> 24
         tokens); see tests/smart/test_smart_swap.py.
         """
-        self.mode, self.report.fell_back = ExecMode.CONSERVATIVE, True
-        self.unit.report.fell_back = True
-        floor = max(self.min_swap_bytes, 1)
-        for ref in self._kept:  # tracked for the profile too: only those worth moving go
-            slot = ref()
-            if slot is not None and slot.aliases[0].untyped_storage().nbytes() >= floor:
-                slot.swap = True
-        self._pending += self._kept  # poll() skips slots already moved and those kept
-        self._kept = []
-
-    # --- choosing a cached plan mid-step --------------------------------------------------------
-
-    def _switch_plan(self, key: int, nbytes: int) -> int | None:
-        """On a miss, run the cached plan that fits this micro-batch so far; its position of
-        ``key``.
-
-        Note: [Choosing a cached plan mid-step]
-        A step's signature is known only at its end, but the first saved tensor whose shape
-        changed (the embedding's input, for a new sequence length) already misses the plan in
-        force. Then every cached plan is tried on the keys saved so far: one that matches them
-        all (an exact earlier shape) is taken at once; else a plan of the same *structure* (the
-        same keys with the shapes left out) made for a larger shape, the smallest such: its
-        choice keeps at most what it kept at the larger shape, so under a byte budget the peak
-        can only be lower. The storages tracked so far are re-tagged by the new plan, so the
-        switch is as if the step had started with it.
-        """
         unit = self.unit
-        best = None
-        for plan in self.candidates():
-            found = self._try_plan(plan, key, nbytes, by_structure=False)
-            found = found or self._try_plan(plan, key, nbytes, by_structure=True)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = found
-        if best is None or best[0][1] > unit.misses:  # the plan in force missed this key too
-            return None
-        _, plan, matcher, positions, by_structure = best
-        self._retag(plan, matcher, positions, by_structure)
-        return positions[-1]
-
-    def _try_plan(self, plan: SwapPolicy, key: int, nbytes: int, *, by_structure: bool):
-        unit = self.unit
-        if plan is unit.policy and not by_structure:
-            return None
-        matcher = OnlineMatcher(plan.class_keys if by_structure else plan.keys, self.match_window)
-        live = unit.classes if by_structure else unit.report.keys
-        if live[-1] not in matcher:
-            return None
-        positions = [matcher.match(k) for k in live]
-        j = positions[-1]
-        if j is None:
-            return None
-        size = plan.entries[j].nbytes
-        if by_structure and size < nbytes:  # made for a shorter sequence: could pass the budget
-            return None
-        rank = (by_structure, positions.count(None), size if by_structure else 0)
-        return rank, plan, matcher, positions, by_structure
-
-    def _retag(self, plan: SwapPolicy, matcher: OnlineMatcher, positions: list,
-               by_structure: bool) -> None:
-        unit = self.unit
-        unit.policy, unit.matcher, unit.by_structure = plan, matcher, by_structure
-        unit.report.switched = True
-        unit.by_index = {}
-        slots = {}
-        # positions also covers the tensor being saved now, whose handle is not in
-        # unit.handles yet
-        for ref, pos in zip(unit.handles, positions, strict=False):
-            handle = ref() if ref is not None else None
-            if handle is None:
-                continue
-            handle.index = -1 if pos is None else pos
-            if handle.slot is not None and handle.slot.group is None:
-                slot = handle.slot
-                swap = (slots.get(id(slot), (slot, False))[1]
-                        or (pos is not None and plan.entries[pos].swap))
-                slots[id(slot)] = (slot, swap)
-            if handle.slot is not None and pos is not None:
-                unit.by_index[pos] = weakref.ref(handle.slot)
-        self._kept = []
-        for slot, swap in slots.values():
-            slot.swap = swap
-            (self._pending if swap else self._kept).append(weakref.ref(slot))
+        self.report.fell_back = unit.report.fell_back = True
+        # poll() skips slots already moved and those kept
+        unit.pending += unit.follower.fall_back(max(self.min_swap_bytes, 1))
 
     # --- tracking and releasing -----------------------------------------------------------------
 
     def _track(self, t: torch.Tensor, storage, swap: bool, index: int, live: int) -> Handle:
-        ref = self._slots.get(storage._cdata)
+        unit = self.unit
+        ref = unit.slots.get(storage._cdata)
         slot = ref() if ref is not None else None
         if slot is None or slot.group is not None:
             slot = self._new_slot(storage, swap)
@@ -412,43 +359,25 @@ class SmartExecutor:
         wait_collective(t)  # Note: [Saved AsyncCollectiveTensors] in saved_local.py
         alias = alias_of(t)  # a DTensor's detach() is a DTensor over a new local alias
         slot.aliases.append(local_of(alias))
-        unit = self.unit
         if index >= 0:
-            unit.by_index[index] = weakref.ref(slot)
-        if self.mode == ExecMode.PLANNED and not slot.swap:
-            self._kept.append(weakref.ref(slot))
+            unit.follower.by_index[index] = weakref.ref(slot)
+        if unit.following and not slot.swap:
+            unit.follower.kept.append(weakref.ref(slot))
         return Handle(slot, alias, index, live, unit)
 
     def _new_slot(self, storage, swap: bool) -> Slot:
         slot = Slot(swap, self._n_storages)
         self._n_storages += 1
-        self._slots[storage._cdata] = weakref.ref(slot)
-        self._pending.append(weakref.ref(slot))
-        profile = self.unit.profile
-        if profile is not None:
-            slot.ordinal = len(profile.storages)
-            profile.storages.append(StorageLife(nbytes=storage.nbytes(), packed=self.tick))
-            weakref.finalize(slot, self._on_drop, profile, slot.ordinal)
+        unit = self.unit
+        unit.slots[storage._cdata] = weakref.ref(slot)
+        unit.pending.append(weakref.ref(slot))
+        if unit.recorder is not None:
+            unit.recorder.add_storage(slot, storage.nbytes())
         return slot
 
-    def _record(self, t, storage, op, fqn, key, live, handle) -> None:
-        slot = handle.slot if type(handle) is Handle else None
-        ordinal = slot.ordinal if slot is not None else -1
-        profile = self.unit.profile
-        profile.records.append(SavedRecord(
-            index=live, op=op, fqn=fqn, dtype=t.dtype, shape=tuple(t.shape),
-            nbytes=storage.nbytes(), key=key, storage=ordinal, cls=self.unit.classes[-1],
-            tick=self.tick))
-        if slot is not None:
-            profile.storages[ordinal].entries.append(live)
-
-    def _on_drop(self, profile: DetailedProfile, ordinal: int) -> None:
-        self.tick += 1
-        if profile.storages[ordinal].dropped is None:
-            profile.storages[ordinal].dropped = self.tick
-
     def _release(self, slot: Slot) -> None:
-        self._mark_off(slot)
+        if self.unit.recorder is not None:  # from now the storage could be off the device
+            self.unit.recorder.released(slot)
         if not slot.swap:
             return
         self._timed(lambda: self._start_release(slot), slot.aliases[0].device, to_host=True)
@@ -486,29 +415,24 @@ class SmartExecutor:
         start waits for all. Conservative steps wait at the next poll (about one op later).
         """
         unit = self.unit
-        if self.mode == ExecMode.PLANNED and unit.policy is not None:
+        if unit.following:
             return unit.group + unit.policy.overlap_groups
         return unit.group
-
-    def _mark_off(self, slot: Slot) -> None:
-        """Profile: from this tick the storage could be (or is) off the device."""
-        profile = self.unit.profile
-        if profile is not None and profile.storages[slot.ordinal].released is None:
-            profile.storages[slot.ordinal].released = self.tick
 
     def _complete_due(self) -> None:
         """Wait for the copies whose logical layer has come (all of them in backward)."""
         if not self._inflight:
             return
-        now_group = self.unit.group if not self.backward else float("inf")
-        if self.mode != ExecMode.PLANNED:  # conservative: at the next poll
+        unit = self.unit
+        now_group = unit.group if not unit.backward else float("inf")
+        if not unit.following:  # conservative: at the next poll
             now_group = float("inf")
         waiting = []
         for slot in self._inflight:
             if slot.due > now_group:
                 waiting.append(slot)
             else:
-                self._wait_d2h(slot, self.unit.group)
+                self._wait_d2h(slot, unit.group)
         self._inflight = waiting
 
     def _complete_inflight(self) -> None:
@@ -524,7 +448,7 @@ class SmartExecutor:
         if slot.group.stat != D2H:
             return
         slot.group.wait_d2h()
-        if self.mode == ExecMode.PLANNED:
+        if self.unit.following:
             self.report.d2h_waits.append((slot.issued, at))
 
     # --- backward -----------------------------------------------------------------------------
@@ -533,11 +457,11 @@ class SmartExecutor:
         """The unpack hook: data back on the device before anyone reads it, then prefetch."""
         if type(handle) is not Handle:
             return handle
-        if not self.backward:
-            if self.in_forward():  # Note: [Reads of saved tensors inside the forward]
+        if not self.unit.backward:
+            if self.call_sites.in_forward():  # Note: [Reads of saved tensors inside the forward]
                 return self._read_in_forward(handle)
             self._start_backward()
-        self.tick += 1
+        self._ticks.advance()
         slot = handle.slot
         if slot is not None and slot.group is not None:
             if slot.group.stat != DEVICE:
@@ -545,8 +469,8 @@ class SmartExecutor:
                 self._timed(slot.group.restore, slot.group.device)
             slot.group.assert_on_device("SmartSwap.unpack")
         check_version(handle)
-        if handle.unit.profile is not None:
-            self._record_unpack(handle)
+        if handle.unit.recorder is not None:
+            handle.unit.recorder.unpacked(handle.live, slot)
         self._prefetch_after(handle)
         return handle.tensor
 
@@ -571,25 +495,16 @@ class SmartExecutor:
 
     def _start_backward(self) -> None:
         self._complete_inflight()
-        self.backward = True
-        self._pending = []
-        profile = self.unit.profile
-        if profile is not None and profile.backward_tick is None:
-            profile.backward_tick = self.tick + 1
-
-    def _record_unpack(self, handle: Handle) -> None:
-        profile = handle.unit.profile
-        profile.unpack_ticks.append((self.tick, handle.live))
-        rec = profile.records[handle.live]
-        if rec.bwd_order < 0:
-            rec.bwd_order = len(profile.unpack_ticks) - 1
-        if handle.slot is not None and profile.storages[handle.slot.ordinal].unpacked is None:
-            profile.storages[handle.slot.ordinal].unpacked = self.tick
+        unit = self.unit
+        unit.backward = True
+        unit.pending = []
+        if unit.recorder is not None:
+            unit.recorder.backward_started()
 
     def _prefetch_after(self, handle: Handle) -> None:
         unit, slot = handle.unit, handle.slot
         if handle.planned:
-            targets = (unit.by_index.get(j) for j in unit.policy.prefetch.get(handle.index, ()))
+            targets = unit.follower.prefetch_targets(handle.index)
         elif slot is not None and slot.order >= 0 and self.conservative_prefetch:
             lo = max(slot.order - self.conservative_prefetch, 0)
             targets = iter(unit.released[lo:slot.order])

@@ -3,9 +3,9 @@
 A plan is keyed by the lightweight signature of the sequence it was made from. A step whose
 signature is not a key still finds a plan when its key sequence is within the signature
 threshold of a cached plan's (fuzzy match: the nearest one; the signature is remembered as an
-alias of that plan). The executor asks :meth:`PlanCache.plans` for candidates when a step's
-saved tensors stop matching the plan in force (Note: [Choosing a cached plan mid-step] in
-executor.py).
+alias of that plan). A stable micro-batch's follower asks :meth:`PlanCache.plans` for
+candidates when its saved tensors stop matching the plan in force (Note: [Choosing a cached
+plan mid-step] in follower.py).
 """
 
 from __future__ import annotations

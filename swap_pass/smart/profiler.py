@@ -74,14 +74,24 @@ class FeatureTracker:
         max_depth: Only modules at most this deep (``"layers.1"`` is depth 2) get hooks: a call
             site that coarse is enough to tell repeated blocks apart, and every hooked module
             leaves PyTorch's hook-free fast call path. ``None`` hooks all. Default: ``2``.
+        attach: Add the hooks now; else at :meth:`attach`. Default: ``True``.
     """
 
-    def __init__(self, model: nn.Module, max_depth: int | None = 2) -> None:
+    def __init__(self, model: nn.Module, max_depth: int | None = 2, *,
+                 attach: bool = True) -> None:
+        self._model, self._max_depth = model, max_depth
         self._stack: list[str] = [""]
         self._handles = []
         self.post_forward_callbacks: list = []
-        for name, module in model.named_modules():
-            if max_depth is not None and name and name.count(".") + 1 > max_depth:
+        if attach:
+            self.attach()
+
+    def attach(self) -> None:
+        """Add the module hooks (again after :meth:`remove`); a no-op while they are on."""
+        if self._handles:
+            return
+        for name, module in self._model.named_modules():
+            if self._max_depth is not None and name and name.count(".") + 1 > self._max_depth:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._make_pre(name)))
             self._handles.append(module.register_forward_hook(self._post, always_call=True))
@@ -111,7 +121,7 @@ class FeatureTracker:
         del self._stack[1:]
 
     def remove(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks (:meth:`attach` adds them again)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

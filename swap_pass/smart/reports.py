@@ -1,22 +1,34 @@
-"""What a SmartSwap step did: the executor's mode and its per-step and per-micro-batch reports."""
+"""What a SmartSwap step did: its per-step and per-micro-batch reports."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+import types
+import warnings
 
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import DetailedProfile
+from swap_pass.smart.stages import Stage
 
-__all__ = ["ExecMode", "MicroBatchReport", "StepReport"]
+__all__ = ["MicroBatchReport", "StepReport"]
+
+# The executor's former mode enum, by the stage each mode ran in: see __getattr__.
+_EXEC_MODE = types.SimpleNamespace(CONSERVATIVE=Stage.WARMUP, DETAILED=Stage.GEN_POLICY,
+                                   PLANNED=Stage.STABLE)
 
 
-class ExecMode(str, enum.Enum):
-    """How the executor decides per saved tensor."""
-
-    CONSERVATIVE = "conservative"  # swap every eligible activation (warmup)
-    DETAILED = "detailed"  # conservative + record a DetailedProfile (gen_policy)
-    PLANNED = "planned"  # follow a SwapPolicy (stable)
+def __getattr__(name: str):
+    """``ExecMode``, deprecated: the executor runs by :class:`Stage` (its members name the
+    stages: ``CONSERVATIVE`` is ``Stage.WARMUP``, ``DETAILED`` ``Stage.GEN_POLICY``, ``PLANNED``
+    ``Stage.STABLE``)."""
+    if name == "ExecMode":
+        warnings.warn(
+            "swap_pass.smart: ExecMode is deprecated; the executor runs by "
+            "swap_pass.smart.Stage (ExecMode.CONSERVATIVE is Stage.WARMUP, DETAILED is "
+            "Stage.GEN_POLICY, PLANNED is Stage.STABLE) and StepReport.stage holds it.",
+            DeprecationWarning, stacklevel=2)
+        return _EXEC_MODE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -26,7 +38,8 @@ class StepReport:
     Attributes:
         keys: Feature keys of the first micro-batch in forward order (the lightweight profile).
         signature: Hash of ``keys``.
-        mode: Executor mode the step began in.
+        stage: The :class:`Stage` the step ran in (a stable micro-batch may still have
+            fallen back: ``fell_back``).
         fell_back: A planned micro-batch switched to conservative after too many unmatched tensors.
         matched: Saved tensors matched to policy entries.
         unmatched: Saved tensors not matched (kept on the device).
@@ -35,8 +48,8 @@ class StepReport:
         sync_restores: Unpacks that found their data still off the device (a stall).
         d2h_waits: Per device-to-host copy of a planned micro-batch: (logical layer it started
             in, logical layer whose start waited for it; the plan's group count for backward).
-        profile: The detailed profile of the first micro-batch (``DETAILED`` steps, and
-            ``PLANNED`` steps that record), else None.
+        profile: The detailed profile of the first micro-batch (``gen_policy`` steps, and
+            ``stable`` steps that record), else None.
         micro_batches: Forward + backward passes in the step (gradient accumulation).
         units: Per micro-batch: :class:`MicroBatchReport`.
         max_in_flight: Most micro-batches whose saved tensors autograd held at once (above 1: a
@@ -48,7 +61,7 @@ class StepReport:
 
     keys: list[int]
     signature: int
-    mode: ExecMode
+    stage: Stage
     fell_back: bool = False
     matched: int = 0
     unmatched: int = 0
@@ -62,8 +75,15 @@ class StepReport:
     max_in_flight: int = 1
     evicted_bytes: int = 0
 
+    @property
+    def mode(self) -> Stage:
+        """Deprecated: :attr:`stage`."""
+        warnings.warn("swap_pass.smart.StepReport.mode is deprecated; read StepReport.stage "
+                      "(the Stage the step ran in).", DeprecationWarning, stacklevel=2)
+        return self.stage
+
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
-        return (f"StepReport(mode={self.mode.value!r}, saved={len(self.keys)}, "
+        return (f"StepReport(stage={self.stage.value!r}, saved={len(self.keys)}, "
                 f"matched={self.matched}, "
                 f"unmatched={self.unmatched}, swapped_storages={self.swapped_storages}, "
                 f"swapped_bytes={self.swapped_bytes}, sync_restores={self.sync_restores}, "

@@ -3,22 +3,27 @@
 * :class:`Slot`: one live activation storage, the aliases the handles keep of it, and its swap
   group once it left (see Note: [When a saved tensor may leave] in executor.py).
 * :class:`Handle`: what autograd keeps for a tracked saved tensor (its alias, its plan position).
-* :class:`MicroBatch`: one forward + backward of a step: its plan, matcher and handles.
+* :class:`MicroBatch`: one forward + backward of a step: its handles, the storages it tracks,
+  its :class:`~swap_pass.smart.follower.Follower` and :class:`~swap_pass.smart.recorder.Recorder`.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from swap_pass.runtime.ownership import outside_holders
 from swap_pass.runtime.swap_tensors import SwapTensors
-from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.policy import SwapPolicy
 from swap_pass.smart.profiler import DetailedProfile
 from swap_pass.smart.reports import MicroBatchReport
 from swap_pass.smart.saved_local import completed_alias, is_dtensor
+
+if TYPE_CHECKING:
+    from swap_pass.smart.follower import Follower
+    from swap_pass.smart.recorder import Recorder
 
 __all__ = ["Handle", "MicroBatch", "Slot", "alias_of", "check_version", "data_version"]
 
@@ -62,31 +67,47 @@ class Handle:
 
 
 class MicroBatch:
-    """State of one forward + backward of a step: its plan, its matcher and what it saved."""
+    """State of one forward + backward of a step: what it saved and tracks, and how it decides.
 
-    def __init__(self, policy: SwapPolicy | None, window: int, record: bool) -> None:
-        self.policy = policy
-        self.window = window
-        self.matcher = OnlineMatcher(policy.keys, window) if policy else None
-        self.by_structure = False
-        self.report = MicroBatchReport(keys=[], profile=DetailedProfile() if record else None)
+    Args:
+        follower: Runs the step's plan over this micro-batch (stable steps), or None
+            (conservative: every eligible activation leaves).
+        recorder: Records its :class:`DetailedProfile`, or None.
+    """
+
+    def __init__(self, follower: Follower | None, recorder: Recorder | None) -> None:
+        self.follower = follower
+        self.recorder = recorder
+        self.report = MicroBatchReport(keys=[], profile=recorder.profile if recorder else None)
         self.classes: list[int] = []  # structure keys (shape-free), forward order
         self.handles: list[weakref.ref | None] = []  # per live index
-        self.by_index: dict[int, weakref.ref] = {}  # plan position -> slot
         self.released: list[weakref.ref] = []  # swapped slots in release order
-        self.group = 0  # logical layer of the plan the forward is in
-        self.misses = 0  # saved tensors its plan did not match
+        self.slots: dict[int, weakref.ref] = {}  # storage _cdata -> slot
+        self.pending: list[weakref.ref] = []  # slots waiting for their last holder to let go
+        self.backward = False  # its backward has started
 
     @property
     def profile(self) -> DetailedProfile | None:
         return self.report.profile
 
+    @property
+    def policy(self) -> SwapPolicy | None:
+        """The plan it runs (or ran before falling back), or None."""
+        return self.follower.policy if self.follower is not None else None
+
+    @property
+    def following(self) -> bool:
+        """True while it follows a plan (a stable step that has not fallen back)."""
+        return self.follower is not None and not self.follower.fell_back
+
+    @property
+    def group(self) -> int:
+        """Logical layer of the plan the forward is in (0 without a plan)."""
+        return self.follower.group if self.follower is not None else 0
+
     def holds_saved(self) -> bool:
         """True while autograd still holds a tensor this micro-batch saved through a handle."""
         return any(ref is not None and ref() is not None for ref in self.handles)
-
-    def entry_swap(self, pos: int) -> bool:
-        return self.policy.entries[pos].swap
 
 
 def alias_of(t: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ from swap_pass.config import SwapConfig, check_config
 from swap_pass.opt_out import ModuleFilter, check_module_filter
 from swap_pass.runtime import register_reset_hook
 from swap_pass.smart.executor import (
-    ExecMode,
     MicroBatchReport,
     SmartExecutor,
     StepReport,
@@ -120,8 +119,6 @@ def _check(name: str, value, ok: bool, must: str) -> None:
                          f"It must be {must}.")
 
 
-_MODE = {Stage.WARMUP: ExecMode.CONSERVATIVE, Stage.GEN_POLICY: ExecMode.DETAILED,
-         Stage.STABLE: ExecMode.PLANNED}
 _active: list[SmartSwap] = []
 
 
@@ -185,26 +182,25 @@ class SmartSwap:
         _check_budget(memory_budget)
         self.model = model
         self.memory_budget = memory_budget
-        self._controller = StageController(config.warmup_steps, config.signature_threshold)
-        self._executor = SmartExecutor(config.swap, min_swap_bytes=config.min_swap_bytes,
-                                       match_window=config.match_window,
-                                       miss_limit=config.miss_limit)
-        self._executor.where = f"SmartSwap({type(model).__name__})"
         check_module_filter(module_filter_fn, "SmartSwap")
-        if module_filter_fn is not None:
-            self._executor.left_out = _left_out(model, module_filter_fn)
+        self._controller = StageController(config.warmup_steps, config.signature_threshold)
+        size = config.plan_cache_size
+        self.plan_cache = PlanCache(size, config.signature_threshold) if size else None
+        # The module hooks come and go with `with smart:` (attach / remove), the tracker stays.
+        self._tracker = FeatureTracker(model, config.callsite_depth, attach=False)
+        self._executor = SmartExecutor(
+            config.swap, call_sites=self._tracker, plan_cache=self.plan_cache,
+            min_swap_bytes=config.min_swap_bytes, match_window=config.match_window,
+            miss_limit=config.miss_limit, where=f"SmartSwap({type(model).__name__})",
+            left_out=None if module_filter_fn is None else _left_out(model, module_filter_fn))
+        self._tracker.post_forward_callbacks.append(self._executor.poll)
         self.policy: SwapPolicy | None = None
         self.last_profile: DetailedProfile | None = None
         self.last_report: StepReport | None = None
         self.steps = 0
         self._absorbed: set[int] = set()
         self._bandwidth: tuple[float, float] | None = None
-        self._tracker: FeatureTracker | None = None
         self._hooks = None
-        size = config.plan_cache_size
-        self.plan_cache = PlanCache(size, config.signature_threshold) if size else None
-        self._executor.record_planned = size > 0
-        self._executor.candidates = self.plan_cache.plans if size else tuple
         self._warned_infeasible = False
 
     # --- public -------------------------------------------------------------------------------
@@ -241,10 +237,7 @@ class SmartSwap:
             )
         try:  # Note: [Entering and leaving as one transaction]
             state_storage_ptrs(self.model)  # fails here, before any hook, if it cannot be read
-            self._tracker = FeatureTracker(self.model, self.config.callsite_depth)
-            self._tracker.post_forward_callbacks.append(self._executor.poll)
-            self._executor.fqn = lambda: self._tracker.fqn
-            self._executor.in_forward = self._tracker.in_forward
+            self._tracker.attach()
             hooks = torch.autograd.graph.saved_tensors_hooks(self._executor.pack,
                                                              self._executor.unpack)
             hooks.__enter__()  # raises inside torch.autograd.graph.disable_saved_tensors_hooks
@@ -284,9 +277,7 @@ class SmartSwap:
             hooks.__exit__(None, None, None)
 
     def _remove_tracker(self) -> None:
-        tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            tracker.remove()
+        self._tracker.remove()
 
     def _deactivate(self) -> None:
         if self in _active:
@@ -354,11 +345,10 @@ class SmartSwap:
     # --- internals ----------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        self._executor.state_ptrs = state_storage_ptrs(self.model)
-        if self._tracker is not None:
-            self._tracker.reset()
+        self._tracker.reset()
         stage = self.stage
-        self._executor.begin_step(_MODE[stage], self.policy if stage == Stage.STABLE else None)
+        self._executor.begin_step(stage, self.policy if stage == Stage.STABLE else None,
+                                  state_storage_ptrs(self.model))
         self._t0 = now()
 
     def _settle(self, unit: MicroBatchReport) -> None:

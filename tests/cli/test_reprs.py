@@ -27,6 +27,6 @@ def test_smartswap_objects_print_short() -> None:
     assert f"entries={len(policy.entries)}" in shown["policy"]
     assert "stage='stable'" in shown["smart"] and shown["policy"] in shown["smart"]
     assert f"records={len(smart.last_profile.records)}" in shown["profile"]
-    assert "mode='planned'" in shown["report"]
+    assert "stage='stable'" in shown["report"]
     assert all(len(repr(unit)) < SHORT for unit in smart.last_report.units)
     assert len(policy.summary()) < SHORT  # the human view stays short too

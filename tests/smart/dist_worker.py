@@ -119,7 +119,7 @@ class SavedSpy:
 
 def _tracked_storages(smart) -> set[int]:
     """Storages SmartSwap's executor holds aliases of (its slots, by storage)."""
-    return {key for key, ref in smart._executor._slots.items() if ref() is not None}
+    return {key for key, ref in smart._executor.unit.slots.items() if ref() is not None}
 
 
 def _parallelize(model: Net, run: str, mesh) -> Net:

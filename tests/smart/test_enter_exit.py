@@ -65,3 +65,20 @@ def test_leaving_removes_every_hook_even_when_popping_the_saved_tensor_hooks_fai
     assert smart_swap_module._active == []
     with smart:
         pair.step(smart)
+
+
+def test_module_hooks_are_on_only_inside_with_and_every_enter_tracks_the_call_sites_again():
+    pair = Pair()
+    smart = SmartSwap(pair.model, memory_budget=0.5)
+    assert _hook_counts(pair.model) == 0  # building SmartSwap adds no hook
+    counts = []
+    for _ in range(2):
+        with smart:
+            counts.append(_hook_counts(pair.model))
+            for _ in range(3):
+                pair.step(smart)  # exact against the model without SmartSwap
+            report = smart.last_report
+            # stable: every saved tensor matched its plan entry by its call site and shape
+            assert report.stage == "stable" and report.unmatched == 0 and report.matched > 0
+        assert _hook_counts(pair.model) == 0 and _top_hooks() is None
+    assert counts[0] > 0 and counts == [counts[0]] * 2
