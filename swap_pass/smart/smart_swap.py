@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
+from swap_pass.memory_model import FORWARD_SHARE
 from swap_pass.opt_out import ModuleFilter, check_module_filter
 from swap_pass.runtime import register_reset_hook
 from swap_pass.smart.executor import (
@@ -69,7 +70,8 @@ class SmartSwapConfig:
         miss_limit: Consecutive unmatched tensors after which a planned step turns
             conservative for the rest of the step. Default: ``8``.
         max_prefetch_depth: Deepest prefetch (in groups) the policy tries. Default: ``4``.
-        fwd_fraction: Share of compute spent in forward, for the simulator. Default: ``1/3``.
+        fwd_fraction: Share of compute spent in forward, for the simulator. Default: ``1/3``
+            (:data:`~swap_pass.memory_model.FORWARD_SHARE`).
         d2h_bandwidth: Bytes/s; measured on first need when None. Default: ``None``.
         h2d_bandwidth: Bytes/s; the measured d2h figure when None. Default: ``None``.
         callsite_depth: Depth of the modules whose name is the call-site feature (``2``:
@@ -90,7 +92,7 @@ class SmartSwapConfig:
     match_window: int = 64
     miss_limit: int = 8
     max_prefetch_depth: int = 4
-    fwd_fraction: float = 1 / 3
+    fwd_fraction: float = FORWARD_SHARE
     d2h_bandwidth: float | None = None
     h2d_bandwidth: float | None = None
     callsite_depth: int | None = 2
