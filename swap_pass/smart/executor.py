@@ -140,7 +140,10 @@ class SmartExecutor:
         self._ticks.now = 0
         self._clock = CopyClock()  # the step's copy time: see Note: [Timing on the device]
         self._n_storages = 0
-        self._inflight: list[Slot] = []  # swap_to_host issued, wait_d2h not yet
+        # swap_to_host issued, wait_d2h not yet; weak: a slot whose graph died (a forward
+        # without backward) gives its host buffer back at once (SwapTensors.__del__ orders
+        # that after its copy), not at the next poll or step
+        self._inflight: list[weakref.ref] = []
         self._units: list[MicroBatch] = []  # this step's micro-batches, oldest first
         self._begin_micro_batch()
 
@@ -389,7 +392,8 @@ class SmartExecutor:
         slot.issued, slot.due = self.unit.group, self._due()
         if (slot.due > self.unit.group
                 or (group.device is not None and is_async_device(group.device))):
-            self._inflight.append(slot)  # see Note: [Waiting for a copy a logical layer later]
+            # see Note: [Waiting for a copy a logical layer later]
+            self._inflight.append(weakref.ref(slot))
         else:
             group.wait_d2h()
 
@@ -428,9 +432,12 @@ class SmartExecutor:
         if not unit.following:  # conservative: at the next poll
             now_group = float("inf")
         waiting = []
-        for slot in self._inflight:
+        for ref in self._inflight:
+            slot = ref()
+            if slot is None:
+                continue
             if slot.due > now_group:
-                waiting.append(slot)
+                waiting.append(ref)
             else:
                 self._wait_d2h(slot, unit.group)
         self._inflight = waiting
@@ -440,8 +447,10 @@ class SmartExecutor:
         if not self._inflight:
             return
         plan = self.unit.policy
-        for slot in self._inflight:
-            self._wait_d2h(slot, plan.num_groups if plan is not None else self.unit.group)
+        for ref in self._inflight:
+            slot = ref()
+            if slot is not None:
+                self._wait_d2h(slot, plan.num_groups if plan is not None else self.unit.group)
         self._inflight = []
 
     def _wait_d2h(self, slot: Slot, at: int) -> None:

@@ -116,5 +116,5 @@ def assert_clean(tag: str | None = None) -> None:
     assert swap_pass.swap_stats().host_bytes_in_use == 0
 
 
-def batch(cfg: LlamaConfig = CFG, *, seed: int = 0, b: int = 2, s: int = 8):
-    return make_batch(cfg, b, s, seed=seed)
+def batch(cfg: LlamaConfig = CFG, *, seed: int = 0, b: int = 2, s: int = 8, device="cpu"):
+    return make_batch(cfg, b, s, seed=seed, device=device)

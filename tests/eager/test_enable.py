@@ -59,8 +59,8 @@ def _freed_after_forward(model, layers, run) -> list[bool]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non_reentrant"])
-def test_hf_models_bitwise_equal(kind, ckpt):
-    ref = _hf(kind)
+def test_hf_models_bitwise_equal(kind, ckpt, device):
+    ref = _hf(kind).to(device)
     model = copy.deepcopy(ref)
     if ckpt is not None:
         for m in (ref, model):
@@ -70,7 +70,7 @@ def test_hf_models_bitwise_equal(kind, ckpt):
                     gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
     handle = swap_pass.enable_swap_layer_input(model)
     assert len(handle.layers) == L
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     expected = _hf_step(ref, ids)
     model.zero_grad(set_to_none=True)
     loss, freed = _freed_after_forward(model, handle.layers,

@@ -15,14 +15,16 @@ TINY = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
 BATCH, SEQ = 2, 8
 
 
-def tiny_model(num_layers: int = 3, *, recompute: bool = False, seed: int = 0) -> LlamaStyleModel:
+def tiny_model(num_layers: int = 3, *, recompute: bool = False, seed: int = 0,
+               device: torch.device | str = "cpu") -> LlamaStyleModel:
     torch.manual_seed(seed)
     cfg = LlamaConfig(**{**TINY.__dict__, "num_layers": num_layers})
-    return LlamaStyleModel(cfg, recompute=recompute)
+    return LlamaStyleModel(cfg, recompute=recompute).to(device)
 
 
 def batch(model: LlamaStyleModel, seq: int = SEQ, seed: int = 0):
-    return make_batch(model.cfg, BATCH, seq, seed=seed)
+    """Token ids and labels on the model's device."""
+    return make_batch(model.cfg, BATCH, seq, seed=seed, device=model.embed.weight.device)
 
 
 class TraceableLlama(torch.nn.Module):
@@ -124,3 +126,15 @@ PREFETCH_FUSION_RTOL = 1e-6
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest |a - b| over the largest |b|."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def skip_inductor_on_the_test_accelerator(device: torch.device) -> None:
+    """Skip an Inductor test on the test accelerator: Inductor has no code generator for it
+    (its compute runs through a CPU fallback, op by op)."""
+    import pytest
+
+    from swap_pass._test_accelerator import DEVICE_TYPE
+
+    if device.type == DEVICE_TYPE:
+        pytest.skip(f"Inductor cannot generate code for the test accelerator ({DEVICE_TYPE}); "
+                    "the aot_eager tests run there instead")

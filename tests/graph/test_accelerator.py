@@ -22,6 +22,7 @@ from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
 from swap_pass.runtime.ownership import byte_span
 
 from ..conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
+from .helpers import skip_inductor_on_the_test_accelerator
 
 pytestmark = [pytest.mark.accelerator,
               pytest.mark.skipif(not HAS_ACCELERATOR, reason=NO_ACCELERATOR_REASON)]
@@ -67,6 +68,7 @@ def _report(ref: dict[str, int], swap: dict[str, int], layer_input: int) -> None
 
 
 def test_compiled_forward_peak_drops_by_l_minus_2_layer_inputs():
+    skip_inductor_on_the_test_accelerator(torch.device(ACCELERATOR))
     layer_input = BATCH * SEQ * CFG.hidden_size * 4
     peaks_ref, loss_ref, grads_ref = _forward_peaks("inductor")
     swap_pass.reset()

@@ -10,6 +10,7 @@ import swap_pass
 from swap_pass import SwapConfig, make_swap_backend
 from swap_pass.graph.boundaries import find_layers
 from swap_pass.graph.budget import CostModel
+from tests.conftest import DEVICES
 
 from .helpers import (
     PREFETCH_CHANGES_INDUCTOR_FUSION,
@@ -45,9 +46,15 @@ def _train(model, backend, steps=1, seq=8, **compile_kwargs):
     return counter, losses, grads
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def run_device(request) -> torch.device:
+    """The ``device`` fixture's devices, for the module-scoped run below."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["checkpointed", "plain"])
-def aot_eager_run(request):
-    model = tiny_model(L, recompute=request.param)
+def aot_eager_run(request, run_device):
+    model = tiny_model(L, recompute=request.param, device=run_device)
     ref = twin(model)
     backend = make_swap_backend("aot_eager")
     swap_pass.reset()
@@ -111,17 +118,17 @@ def test_backward_graph_prefetches_one_layer_ahead(aot_eager_run):
         assert order[prefetch] <= min(order[m] for m in after.members)
 
 
-def _assert_like_aot_eager(grads, recompute=True):
-    _, _, ref_grads = _train(tiny_model(L, recompute=recompute), "aot_eager")
+def _assert_like_aot_eager(grads, device="cpu", recompute=True):
+    _, _, ref_grads = _train(tiny_model(L, recompute=recompute, device=device), "aot_eager")
     assert all(torch.equal(a, b) for a, b in zip(grads[0], ref_grads[0], strict=True))
 
 
-def test_without_prefetch_backward_holds_blocking_swap_ins():
+def test_without_prefetch_backward_holds_blocking_swap_ins(device):
     backend = make_swap_backend("aot_eager", config=SwapConfig(prefetch=False))
-    _, _, grads = _train(tiny_model(L, recompute=True), backend)
+    _, _, grads = _train(tiny_model(L, recompute=True, device=device), backend)
     targets = _targets(backend.partitions[-1].backward)
     assert targets.count(OPS.swap_in.default) == L - 1 and OPS.prefetch.default not in targets
-    _assert_like_aot_eager(grads)
+    _assert_like_aot_eager(grads, device)
 
 
 def test_callable_inner_is_used_for_forward_and_backward():
@@ -241,10 +248,10 @@ def test_npu_inner_points_to_regional_compile():
         make_swap_backend("npu")
 
 
-def test_forward_without_backward_and_no_grad_leave_nothing():
+def test_forward_without_backward_and_no_grad_leave_nothing(device):
     import gc
 
-    model = tiny_model(L, recompute=True)
+    model = tiny_model(L, recompute=True, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=make_swap_backend("aot_eager"), fullgraph=True)
     loss = compiled(*batch(model))
@@ -258,12 +265,12 @@ def test_forward_without_backward_and_no_grad_leave_nothing():
     assert swap_pass.swap_stats().swap_outs == before  # inference graph: nothing saved, no swap
 
 
-def test_host_cap_applies_to_the_compiled_path():
+def test_host_cap_applies_to_the_compiled_path(device):
     """The refused host buffer raises mid-forward; the first layer's swapped-out input dies
     before its wait, its copy out still queued. Under the stream model swap_out's finalizer must
     order the compute stream after that copy before the death returns (Note: [Storages that die
     with a copy queued] in swap_pass/testing.py)."""
-    model = tiny_model(L, recompute=True)
+    model = tiny_model(L, recompute=True, device=device)
     torch._dynamo.reset()
     backend = make_swap_backend("aot_eager", config=SwapConfig(max_host_bytes=1024))
     compiled = torch.compile(model, backend=backend, fullgraph=True)

@@ -62,8 +62,8 @@ def _outputs(gm):
     return list(gm.graph.find_nodes(op="output")[0].args[0])
 
 
-def test_budget_mode_swaps_any_saved_tensor_bitwise():
-    model = tiny_model(3)
+def test_budget_mode_swaps_any_saved_tensor_bitwise(device):
+    model = tiny_model(3, device=device)
     ref = twin(model)
     backend = make_swap_backend("aot_eager", memory_budget=0.5, cost_model=FAST)
     swap_pass.reset()
@@ -82,8 +82,10 @@ def test_budget_mode_swaps_any_saved_tensor_bitwise():
     stats = swap_pass.swap_stats()
     assert stats.swap_outs == stats.swap_ins == len(part.swapped)
     # the bytes each swapped tensor spans: a transposed slice of the fused q/k/v projection
-    # copies its gaps too (Note: [Contiguous copies] in swap_pass/graph/ops.py)
-    assert stats.swapped_out_bytes == _bytes_spanned(part) > sum(s.nbytes for s in part.swapped)
+    # copies its gaps too (Note: [Contiguous copies] in swap_pass/graph/ops.py); the CPU graph
+    # swaps one, an accelerator's (attention traced to other ops) need not
+    assert stats.swapped_out_bytes == _bytes_spanned(part) >= sum(s.nbytes for s in part.swapped)
+    assert device.type != "cpu" or stats.swapped_out_bytes > sum(s.nbytes for s in part.swapped)
     assert stats.host_bytes_in_use == 0
     assert "predicted peak" in part.summary() and part.swapped[0].name in part.summary()
 

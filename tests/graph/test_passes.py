@@ -45,8 +45,8 @@ def test_graph_holds_swap_nodes_for_all_but_the_last_layer(leaf_layers):
             and "swap_pass_release_model_layers_2" in gm.code)
 
 
-def test_inputs_freed_after_next_layer_ran_and_grads_bitwise_equal():
-    ref = TraceableLlama(tiny_model(L))
+def test_inputs_freed_after_next_layer_ran_and_grads_bitwise_equal(device):
+    ref = TraceableLlama(tiny_model(L, device=device))
     gm = apply_swap_pass(trace(twin(ref), leaf_layers=True))
     seen, freed_at_entry, _ = _record_layer_inputs(gm)
     loss = gm(*ref.inputs())
@@ -67,8 +67,8 @@ def test_inputs_freed_after_next_layer_ran_and_grads_bitwise_equal():
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_inlined_trace_trains_bitwise_over_steps(prefetch):
-    ref = TraceableLlama(tiny_model(L))
+def test_inlined_trace_trains_bitwise_over_steps(prefetch, device):
+    ref = TraceableLlama(tiny_model(L, device=device))
     gm = apply_swap_pass(trace(twin(ref)), ref.inputs(), config=SwapConfig(prefetch=prefetch))
     opt_a = torch.optim.SGD(gm.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -106,8 +106,8 @@ def test_no_grad_and_forward_without_backward_leave_nothing():
     assert swap_pass.swap_stats().host_bytes_in_use == 0
 
 
-def test_retain_graph_second_backward():
-    ref = TraceableLlama(tiny_model(L))
+def test_retain_graph_second_backward(device):
+    ref = TraceableLlama(tiny_model(L, device=device))
     gm = apply_swap_pass(trace(twin(ref)), ref.inputs())
     loss, ref_loss = gm(*ref.inputs()), ref(*ref.inputs())
     loss.backward(retain_graph=True)
@@ -118,9 +118,9 @@ def test_retain_graph_second_backward():
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
-def test_dynamo_graph_trained_eagerly(recompute):
+def test_dynamo_graph_trained_eagerly(recompute, device):
     """apply_swap_pass as the transform of a Dynamo backend; the compiled function runs eagerly."""
-    ref = tiny_model(L, recompute=recompute)
+    ref = tiny_model(L, recompute=recompute, device=device)
     model = twin(ref)
     graphs = []
 

@@ -10,7 +10,7 @@ import torch
 import swap_pass
 from swap_pass import compile_layers
 
-from .helpers import batch, tiny_model, twin
+from .helpers import batch, skip_inductor_on_the_test_accelerator, tiny_model, twin
 
 L = 3
 
@@ -32,8 +32,10 @@ def _run(model, backend, swap, **kwargs):
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
-def test_bitwise_equal_to_the_same_regional_compile_without_swap(backend, recompute):
-    model = tiny_model(L, recompute=recompute)
+def test_bitwise_equal_to_the_same_regional_compile_without_swap(backend, recompute, device):
+    if backend == "inductor":
+        skip_inductor_on_the_test_accelerator(device)
+    model = tiny_model(L, recompute=recompute, device=device)
     ref = twin(model)
     swap_pass.reset()
     sizes, handle = _run(model, backend, swap=True)
@@ -69,8 +71,8 @@ def test_layers_are_compiled_and_remove_restores_them():
                for layer in model.layers)
 
 
-def test_user_inputs_and_buffers_keep_their_values():
-    model = tiny_model(L)
+def test_user_inputs_and_buffers_keep_their_values(device):
+    model = tiny_model(L, device=device)
     ids, labels = batch(model)
     ids0, labels0, cos0 = ids.clone(), labels.clone(), model.cos_table.clone()
     with compile_layers(model, backend="aot_eager"):

@@ -55,6 +55,12 @@ def _step(model, x):
                            for n, p in model.named_parameters()}
 
 
+def _on(device):
+    """``Stack`` built with ``context_fn`` and the input, both on ``device``."""
+    return (lambda context_fn=None: Stack(context_fn).to(device),
+            _input().detach().to(device).requires_grad_())
+
+
 def _swapped_out(backend) -> list[str]:
     """The names of the nodes the backend's forward graphs hand to ``swap_out``."""
     return [n.args[0].name for p in backend.partitions
@@ -63,14 +69,14 @@ def _swapped_out(backend) -> list[str]:
 
 @pytest.mark.parametrize("tag", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
 @pytest.mark.parametrize("contexts", ["torch", "swap_pass"])
-def test_tagged_nodes_are_saved_and_swapped_beside_the_layer_inputs(tag, contexts):
-    x = _input()
+def test_tagged_nodes_are_saved_and_swapped_beside_the_layer_inputs(tag, contexts, device):
+    stack, x = _on(device)
     context_fn = (_torch_sac(tag) if contexts == "torch" else
                   functools.partial(swap_pass.selective_checkpoint_contexts, _policy(tag)))
-    eager = _step(Stack(), x)
-    plain = _step(torch.compile(Stack(context_fn), backend="aot_eager"), x)
+    eager = _step(stack(), x)
+    plain = _step(torch.compile(stack(context_fn), backend="aot_eager"), x)
     backend = swap_pass.make_swap_backend("aot_eager")
-    got = _step(torch.compile(Stack(context_fn), backend=backend), x)
+    got = _step(torch.compile(stack(context_fn), backend=backend), x)
     _assert_exact(plain, got)
     _assert_exact(eager, got)
     swapped = {s.name: s for p in backend.partitions for s in p.swapped}
@@ -89,11 +95,11 @@ def test_without_the_tags_the_same_compile_saves_fewer_of_them():
     assert not TAGGED & set(_swapped_out(backend))
 
 
-def test_budget_mode_swaps_the_tagged_nodes_too():
-    x = _input()
-    plain = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="aot_eager"), x)
+def test_budget_mode_swaps_the_tagged_nodes_too(device):
+    stack, x = _on(device)
+    plain = _step(torch.compile(stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="aot_eager"), x)
     backend = swap_pass.make_swap_backend("aot_eager", memory_budget=1.0)
-    got = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend=backend), x)
+    got = _step(torch.compile(stack(_torch_sac("MUST_CPU_OFFLOAD")), backend=backend), x)
     _assert_exact(plain, got)
     assert TAGGED <= set(_swapped_out(backend))
 
@@ -139,10 +145,10 @@ def test_prefer_on_a_node_that_is_also_an_output_falls_back_counted():
     assert swap_pass.swap_stats().skipped_bytes["offload_fallback"] == N * HIDDEN * 4
 
 
-def test_inside_no_swap_the_compiled_offloads_stay_on_the_device():
-    x = _input()
-    plain = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="aot_eager"), x)
-    compiled = torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")),
+def test_inside_no_swap_the_compiled_offloads_stay_on_the_device(device):
+    stack, x = _on(device)
+    plain = _step(torch.compile(stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="aot_eager"), x)
+    compiled = torch.compile(stack(_torch_sac("MUST_CPU_OFFLOAD")),
                              backend=swap_pass.make_swap_backend("aot_eager"))
     with swap_pass.no_swap():
         got = _step(compiled, x)

@@ -26,26 +26,26 @@ def _loss(model, batch):
     return model(input_ids=ids, labels=labels).loss
 
 
-def _batches(n: int = 3):
-    return [qwen_batch(i) for i in range(n)]
+def _batches(n: int = 3, device: torch.device | str = "cpu"):
+    return [tuple(t.to(device) for t in qwen_batch(i)) for i in range(n)]
 
 
-def test_tiny_qwen2_same_as_without_swap():
+def test_tiny_qwen2_same_as_without_swap(device):
     """TRL test_real_hf_model: a real Qwen2, every decoder layer's input swapped."""
-    ref, model = twins(tiny_qwen2)
+    ref, model = twins(lambda: tiny_qwen2().to(device))
     handle = swap_pass.enable_swap_layer_input(model)
     assert handle.layers == list(model.model.layers)
-    exact_steps(ref, model, _loss, _batches())
+    exact_steps(ref, model, _loss, _batches(device=device))
     assert moved() == 2 * LAYER_INPUT  # 3 layers: the last layer's input is never swapped
     handle.remove()
 
 
 @pytest.mark.slow
-def test_tiny_qwen2_smart_swap():
+def test_tiny_qwen2_smart_swap(device):
     """TRL test_real_hf_model, under SmartSwap."""
-    ref, model = twins(tiny_qwen2)
+    ref, model = twins(lambda: tiny_qwen2().to(device))
     with SmartSwap(model, memory_budget=0.5, config=SmartSwapConfig(min_swap_bytes=0)) as smart:
-        exact_steps(ref, model, _loss, _batches(4), smart=smart)
+        exact_steps(ref, model, _loss, _batches(4, device), smart=smart)
     assert swap_pass.swap_stats().swapped_out_bytes > 0
 
 

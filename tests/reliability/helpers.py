@@ -23,11 +23,11 @@ def sgd(model: torch.nn.Module, lr: float = 0.1) -> None:
             p -= lr * p.grad
 
 
-def model_pair(recompute: bool, cfg: LlamaConfig = CFG, seed: int = 0):
+def model_pair(recompute: bool, cfg: LlamaConfig = CFG, seed: int = 0, device="cpu"):
     """A no-swap reference and a twin with the same weights (swap is enabled by the caller)."""
     torch.manual_seed(seed)
-    ref = LlamaStyleModel(cfg, recompute=recompute)
-    return ref, twin(ref, lambda: LlamaStyleModel(cfg, recompute=recompute))
+    ref = LlamaStyleModel(cfg, recompute=recompute).to(device)
+    return ref, twin(ref, lambda: LlamaStyleModel(cfg, recompute=recompute).to(device))
 
 
 class InputProbe:

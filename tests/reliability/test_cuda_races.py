@@ -18,6 +18,20 @@ side-stream read still pending, the races the slowed streams above catch.
 
 This file tests CUDA itself: it calls ``torch.cuda`` directly (``_sleep``, streams, the
 sanitizer), which device-generic library code never does. Run by ``scripts/gpu_check.sh``.
+
+Why these bodies are not shared with the test accelerator (``swaptest``,
+``swap_pass.testing.load_test_accelerator``): there every side-stream copy is already held back
+by the device's own seeded delay (``swap_pass._test_accelerator.set_delay``, on by default), so
+the slowed-side-stream cases are the device-parametrized tests themselves: the same layer-input
+races at small sizes in ``tests/eager/test_races.py``, ``tests/runtime``, the compiled path
+(aot_eager) in ``tests/graph``, SmartSwap in ``tests/smart``, two threads in
+``tests/reliability/test_threads.py``, run on CUDA too by the ``accelerator`` stage of
+``scripts/gpu_check.sh``. What is left here has no counterpart on that device: its compute runs
+on the calling thread, never late, so a producer slowed by ``torch.cuda._sleep`` on the compute
+stream cannot be modelled; Inductor cannot generate code for it; CUDA graphs
+(``reduce-overhead``), the sanitizer and ``torch.cuda.host_memory_stats`` are CUDA's; and 64 MiB
+layer inputs over several steps, sized against a real device's bandwidth, would only make a
+CPU-backed device slow.
 """
 
 from __future__ import annotations

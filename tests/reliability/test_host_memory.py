@@ -49,12 +49,12 @@ def _probed_step(ref, model, b) -> list[int]:
 
 
 @RECOMPUTE
-def test_error_policy_trains_under_the_cap(recompute):
+def test_error_policy_trains_under_the_cap(recompute, device):
     """Inputs that fit the cap (batch (1, 8): 3 x 1024 bytes) swap and train exactly."""
-    ref, model = model_pair(recompute)
+    ref, model = model_pair(recompute, device=device)
     _capped(model, "error")
     for step in range(2):
-        resident = _probed_step(ref, model, batch(CFG, seed=step, b=1))
+        resident = _probed_step(ref, model, batch(CFG, seed=step, b=1, device=device))
         assert resident == [0] * SWAPPED_LAYERS + [input_bytes(1, 8)], step
         assert_clean()
     assert swap_pass.swap_stats().swap_ins == 2 * SWAPPED_LAYERS

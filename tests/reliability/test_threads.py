@@ -46,7 +46,7 @@ def _swapped_twin(ref, recompute: bool, path: str, tag: str) -> nn.Module:
             m.layers = nn.ModuleList(_decorated_layer(tag)(CFG) for _ in range(CFG.num_layers))
         return m
 
-    model = twin(ref, build)
+    model = twin(ref, build).to(ref.cos_table.device)
     if path == "enable":
         swap_pass.enable_swap_layer_input(model)
     return model
@@ -72,7 +72,8 @@ class _Trainer(threading.Thread):
             for step in range(STEPS):
                 self.barrier.wait(timeout=60)
                 start = time.perf_counter()
-                self.results.append(self._step(batch(CFG, seed=self.seed * 100 + step)))
+                b = batch(CFG, seed=self.seed * 100 + step, device=self.model.cos_table.device)
+                self.results.append(self._step(b))
                 self.intervals.append((start, time.perf_counter()))
         except BaseException as err:  # re-raised on the main thread
             self.error = err
@@ -98,14 +99,15 @@ def _overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
 # waits per thread] in swap_pass/testing.py).
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("path", ["enable", "decorators"])
-def test_two_models_in_two_threads_exact_and_clean(path, recompute):
-    pairs = [model_pair(recompute, seed=seed) for seed in (1, 2)]
+def test_two_models_in_two_threads_exact_and_clean(path, recompute, device):
+    pairs = [model_pair(recompute, seed=seed, device=device) for seed in (1, 2)]
     models = [_swapped_twin(ref, recompute, path, f"rel.thread{i}")
               for i, (ref, _) in enumerate(pairs)]
     tags = set(swap_pass.SwapLayerInputManager.manager_map)
     managers = swap_pass.SwapLayerInputManager.managers
     assert len(tags) == 2 and all(len(managers(t)) == CFG.num_layers for t in tags)
-    expected = [[_sgd_step(ref, batch(CFG, seed=seed * 100 + step)) for step in range(STEPS)]
+    expected = [[_sgd_step(ref, batch(CFG, seed=seed * 100 + step, device=device))
+                 for step in range(STEPS)]
                 for seed, (ref, _) in zip((1, 2), pairs, strict=True)]
     barrier = threading.Barrier(2)
     trainers = [_Trainer(model, seed, barrier)

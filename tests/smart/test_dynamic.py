@@ -39,8 +39,8 @@ def _budgets(pair: Pair, seqs) -> dict[int, int]:
     return {n: int(FRACTION * unswapped_peak(pair, seq=n)) for n in set(seqs)}
 
 
-def test_a_return_to_a_seen_shape_runs_its_cached_plan_on_its_first_step():
-    pair = Pair()
+def test_a_return_to_a_seen_shape_runs_its_cached_plan_on_its_first_step(device):
+    pair = Pair(device)
     seqs = [32, 32, 32, 16, 16, 16, 32]
     budgets = _budgets(pair, seqs)
     with SmartSwap(pair.model, memory_budget=FRACTION) as smart:
@@ -124,14 +124,15 @@ def _micro_batch(model, ref, ids, labels) -> int:
     return freed
 
 
-def test_every_micro_batch_of_an_accumulation_step_is_planned_and_exact():
-    model = tiny_model()
+def test_every_micro_batch_of_an_accumulation_step_is_planned_and_exact(device):
+    model = tiny_model().to(device)
     ref = copy.deepcopy(model)
     freed = []
     with SmartSwap(model, memory_budget=FRACTION) as smart:
         for step in range(4):
             for mb in range(3):
-                ids, labels = make_batch(model.cfg, BATCH, 32, seed=10 * step + mb)
+                ids, labels = make_batch(model.cfg, BATCH, 32, seed=10 * step + mb,
+                                         device=device)
                 freed.append(_micro_batch(model, ref, ids, labels))
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)
@@ -170,12 +171,12 @@ def _freed_group_per_storage(model, policy, ids, labels) -> dict[int, tuple[int,
     return freed_at
 
 
-def test_device_to_host_copies_are_waited_for_a_logical_layer_later():
-    pair = Pair()
+def test_device_to_host_copies_are_waited_for_a_logical_layer_later(device):
+    pair = Pair(device)
     with SmartSwap(pair.model, memory_budget=FRACTION) as smart:
         for s in range(3):
             pair.step(smart, seed=s)
-        ids, labels = make_batch(pair.model.cfg, BATCH, 32, seed=3)
+        ids, labels = make_batch(pair.model.cfg, BATCH, 32, seed=3, device=device)
         freed = _freed_group_per_storage(pair.model, smart.policy, ids, labels)
         pair.model.zero_grad(set_to_none=True)
         smart.step()

@@ -129,9 +129,9 @@ def test_a_view_of_a_bigger_activation_brings_back_the_whole_storage():
     _exact_vs_plain(Narrow(), torch.randn(3, 8, requires_grad=True), check)
 
 
-def test_forward_without_backward_and_an_exception_leave_no_host_buffers():
-    model = tiny_model()
-    ids = torch.randint(0, 256, (2, 16))
+def test_forward_without_backward_and_an_exception_leave_no_host_buffers(device):
+    model = tiny_model().to(device)
+    ids = torch.randint(0, 256, (2, 16)).to(device)
     with SmartSwap(model, memory_budget=0, config=CONSERVATIVE) as smart:
         loss = model(ids, ids)
         assert swap_pass.swap_stats().host_bytes_in_use > 0
@@ -149,10 +149,10 @@ def test_forward_without_backward_and_an_exception_leave_no_host_buffers():
         model(ids, ids).backward()  # hooks still consistent after the failure
 
 
-def test_retain_graph_second_backward_is_exact():
-    model = tiny_model()
+def test_retain_graph_second_backward_is_exact(device):
+    model = tiny_model().to(device)
     ref = copy.deepcopy(model)
-    ids = torch.randint(0, 256, (2, 16))
+    ids = torch.randint(0, 256, (2, 16)).to(device)
     with SmartSwap(model, memory_budget=0, config=CONSERVATIVE):
         loss = model(ids, ids)
         loss.backward(retain_graph=True)

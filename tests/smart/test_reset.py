@@ -8,8 +8,8 @@ from swap_pass import SmartSwap, SmartSwapConfig
 from tests.smart.helpers import Pair
 
 
-def test_reset_before_every_step_keeps_smartswap_planning_and_swapping():
-    pair = Pair()
+def test_reset_before_every_step_keeps_smartswap_planning_and_swapping(device):
+    pair = Pair(device)
     with SmartSwap(pair.model, memory_budget=0.25, config=SmartSwapConfig(min_swap_bytes=0)) \
             as smart:
         for _ in range(4):
@@ -20,8 +20,8 @@ def test_reset_before_every_step_keeps_smartswap_planning_and_swapping():
         assert "budget" in smart.policy.summary()
 
 
-def test_reset_between_forward_and_backward_keeps_the_step_exact():
-    pair = Pair()
+def test_reset_between_forward_and_backward_keeps_the_step_exact(device):
+    pair = Pair(device)
     with SmartSwap(pair.model, memory_budget=0.25, config=SmartSwapConfig(min_swap_bytes=0)) \
             as smart:
         for _ in range(3):

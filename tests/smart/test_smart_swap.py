@@ -35,12 +35,12 @@ def test_budget_of_a_quarter_holds_and_gradients_are_bitwise_equal(device):
     assert 0 < len(policy.swapped) < len(policy.candidates)  # a choice, not "swap everything"
 
 
-def test_saved_storages_are_really_freed_after_forward():
-    pair = Pair()
+def test_saved_storages_are_really_freed_after_forward(device):
+    pair = Pair(device)
     with SmartSwap(pair.model, memory_budget=0.25) as smart:
         for s in range(3):
             pair.step(smart, seed=s)
-        ids, labels = make_batch(pair.model.cfg, BATCH, SEQ)
+        ids, labels = make_batch(pair.model.cfg, BATCH, SEQ, device=device)
         with SavedBytesCounter(pair.model) as counter:
             loss = pair.model(ids, labels)
             live = [ref() for ref in counter.storages.values()]
@@ -96,8 +96,8 @@ def test_one_inserted_op_is_absorbed_by_fuzzy_matching_without_a_replan():
 
 
 @pytest.mark.parametrize("cache", [8, 0], ids=["plan_cache", "no_cache"])
-def test_a_large_change_replans(cache):
-    pair = Pair()
+def test_a_large_change_replans(cache, device):
+    pair = Pair(device)
     config = SmartSwapConfig(plan_cache_size=cache)
     with SmartSwap(pair.model, memory_budget=0.25, config=config) as smart:
         for s in range(3):
@@ -114,12 +114,12 @@ def test_a_large_change_replans(cache):
         assert not smart.last_report.fell_back
 
 
-def test_a_scrambled_plan_costs_memory_never_data():
+def test_a_scrambled_plan_costs_memory_never_data(device):
     """Random swap tags and random prefetch triggers: gradients stay bitwise equal."""
     import dataclasses
     import random
 
-    pair = Pair()
+    pair = Pair(device)
     rng = random.Random(0)
     with SmartSwap(pair.model, memory_budget=0.25) as smart:
         for s in range(3):
@@ -134,8 +134,8 @@ def test_a_scrambled_plan_costs_memory_never_data():
         assert smart.last_report.swapped_storages > 0 and smart.replans == 0
 
 
-def test_with_full_recompute_the_checkpointed_inputs_are_swapped_exactly():
-    pair = Pair(recompute=True)
+def test_with_full_recompute_the_checkpointed_inputs_are_swapped_exactly(device):
+    pair = Pair(device, recompute=True)
     with SmartSwap(pair.model, memory_budget=0.25) as smart:
         for s in range(4):
             pair.step(smart, seed=s)
