@@ -12,7 +12,7 @@
 #                       plain pinned copy of the same bytes -> headline.json (+ .png), headline.txt
 #   setup         15 s  env.txt (torch, device, transformers, pytest, hypothesis); pytest from
 #                       WHEEL_DIR when it is missing -> env.txt, setup.txt
-#   races        110 s  tests/reliability/test_cuda_races.py: torch.cuda._sleep queued on the side
+#   races        100 s  tests/reliability/test_cuda_races.py: torch.cuda._sleep queued on the side
 #                       streams before every copy (or on the compute stream before every producer),
 #                       64 MiB layer inputs, several steps with and without a synchronize, a second
 #                       compute stream, eager and compiled (swap_backend with Inductor, aot_eager
@@ -27,11 +27,13 @@
 #   expandable    30 s  three eager races again with
 #                       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                       -> pytest-expandable.txt, expandable-junit.xml
-#   accelerator   60 s  pytest -m accelerator over the rest of the suite (without the modules that
-#                       need hypothesis where it is missing); the compiled forward's
+#   accelerator   90 s  pytest -m accelerator over the rest of the suite (without the modules that
+#                       need hypothesis where it is missing; the aot_eager graph tests and the
+#                       HF tiny models included; -v streams each result, so a stage cut by its
+#                       limit still shows what ran); the compiled forward's
 #                       peak allocated and reserved -> pytest-accelerator.txt,
 #                       accelerator-junit.xml, accelerator-peaks.json
-#   capacity      85 s  swap-pass capacity under a REAL device-memory cap (24 GiB, 48 GiB of host
+#   capacity      65 s  swap-pass capacity under a REAL device-memory cap (24 GiB, 48 GiB of host
 #                       memory, no swap / full recompute / recompute + swap); each probe's line is
 #                       in capacity.txt as it runs -> capacity.txt, capacity.json
 #
@@ -62,7 +64,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=(headline=150 setup=15 races=110 sanitizer=30 expandable=30 accelerator=60 capacity=85)
+STAGES=(headline=150 setup=15 races=100 sanitizer=30 expandable=30 accelerator=90 capacity=65)
 KILL_GRACE=5  # seconds between SIGTERM and SIGKILL, inside each stage's limit
 RACES=tests/reliability/test_cuda_races.py
 
