@@ -14,6 +14,13 @@ What the device models (2 devices, memory in host RAM):
   worker thread of its own; events record, wait, query, synchronize and time;
 * compute ops run through a CPU fallback on the calling thread, after the current stream's queue
   drained (so in stream order; compute itself is not asynchronous);
+* the order is checked where timing cannot show it (:func:`set_order_check`, on by default): each
+  stream and the host carry a vector clock (an event takes its stream's, a wait merges it into the
+  waiting stream's, a host synchronize into the host's), each device block the position of its
+  last write; a copy, or a compute op's read, that is not ordered after that write reads poison
+  (``0xFF`` bytes), as a copy racing its producer may on a device, and is counted
+  (``memory_stats()["unordered_reads"]``); a block freed while a queued copy that used it is not
+  ordered before its allocating stream is counted as ``unordered_frees``;
 * copies on a side stream (host to device, device to host, device to device) are queued on that
   stream and start after a seeded delay (200-400 ms by default), or as soon as the host waits
   for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that waits
@@ -55,7 +62,9 @@ __all__ = [
     "memory_stats",
     "pinned_stats",
     "resize_calls",
+    "order_check",
     "set_delay",
+    "set_order_check",
     "set_seed",
     "synchronize",
 ]
@@ -226,6 +235,25 @@ def delay_settings() -> dict[str, float]:
     return dict(_loaded().delay_settings())
 
 
+def set_order_check(enabled: bool = True) -> None:
+    """Turn the order check on (the default) or off.
+
+    On, a read of a device block (a copy on any stream, a compute op's input) that is not ordered
+    after the block's last write reads ``0xFF`` bytes instead of the data, and counts in
+    ``memory_stats(device)["unordered_reads"]``. Ordered means: on the same stream, or after a
+    chain of ``Event.record`` / ``wait_event`` (``wait_stream``) from the writing stream, or after
+    the host waited for the write (``Event.synchronize``, a stream or device synchronize, a
+    blocking copy to the host, ``.item()``). Compute runs on the host here, so without the check a
+    copy that misses its wait on the producer would still read produced data.
+    """
+    _loaded().set_order_check(enabled)
+
+
+def order_check() -> bool:
+    """Whether the order check is on (see :func:`set_order_check`)."""
+    return bool(_loaded().order_check())
+
+
 def fail_nth_resize(n: int) -> None:
     """Make the ``n``-th storage resize from now on (1 = the next) raise; 0 disarms."""
     _loaded().fail_nth_resize(n)
@@ -244,7 +272,10 @@ def mark_not_resizable(tensor: torch.Tensor) -> None:
 
 def memory_stats(device: int = 0) -> dict[str, int]:
     """Device allocator counters: ``allocated_bytes``, ``peak_allocated_bytes``,
-    ``reserved_bytes``, ``fresh_blocks``, ``reused_blocks``, ``pending_blocks``."""
+    ``reserved_bytes``, ``fresh_blocks``, ``reused_blocks``, ``pending_blocks``; once they
+    happened, ``unordered_reads`` (reads that got poison from the order check) and
+    ``unordered_frees`` (blocks freed before their allocating stream was ordered after a queued
+    copy that used them)."""
     return dict(_loaded().memory_stats(device))
 
 

@@ -28,6 +28,7 @@ def dev() -> torch.device:
     device_knobs.synchronize()
     device_knobs.set_delay(bool(defaults["enabled"]), defaults["min_ms"], defaults["max_ms"])
     device_knobs.set_seed(int(defaults["seed"]))
+    device_knobs.set_order_check(True)
 
 
 @pytest.fixture

@@ -45,6 +45,8 @@ struct Block {
   StreamId stream;                 // the allocating stream: the pool the block returns to
   std::vector<c10::Stream> uses;   // streams named by record_stream
   bool not_resizable = false;
+  Position last_write;             // nowhere: not written since it was handed out
+  std::vector<Position> copies;    // queued copies that read or wrote it since
 };
 
 void free_device_block(void* ctx);
@@ -69,6 +71,8 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     } else {
       counters_[dev]["reused_blocks"]++;
     }
+    block->last_write = Position{};
+    block->copies.clear();
     stats_[dev].allocated_bytes[kAggregate].increase(block->size);
     stats_[dev].allocation[kAggregate].increase(1);
     return c10::DataPtr(block->ptr, block, &free_device_block, device);
@@ -87,6 +91,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     stats_[block->device].allocated_bytes[kAggregate].decrease(block->size);
     stats_[block->device].allocation[kAggregate].decrease(1);
     block->not_resizable = false;
+    check_free_order(block);
     if (!block->uses.empty()) {
       std::vector<Ticket> tickets;
       for (const auto& s : block->uses) {
@@ -102,6 +107,27 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     enqueue(block->device, block->stream, [ptr, size] { std::memset(ptr, kPoison, size); },
             false);
     return_to_pool(block);
+  }
+
+  void note_write(Block* block, const Position& at) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    block->last_write = at;
+  }
+
+  Position last_write(Block* block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return block->last_write;
+  }
+
+  void note_copy_use(Block* block, const Position& at) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (block->copies.size() >= 64) forget_ordered_copies(block);
+    block->copies.push_back(at);
+  }
+
+  void count(int dev, const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_[dev][name]++;
   }
 
   void record_stream(Block* block, c10::Stream stream) {
@@ -171,6 +197,32 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     Block* block = it->second;
     pool.erase(it);
     return block;
+  }
+
+  // The block goes back to its allocating stream's pool, whose next allocation may take it at
+  // once: every queued copy that read or wrote it must be ordered before that stream's next
+  // work (or the stream named by record_stream). A free that is not counts as unordered_frees:
+  // on a device the copy may read the next tensor's data, or fault on an unmapped block.
+  void check_free_order(Block* block) {
+    for (const auto& use : block->copies) {
+      bool recorded = false;
+      for (const auto& s : block->uses) {
+        recorded |= s.device_index() == use.device && s.id() == use.stream;
+      }
+      if (!recorded && !is_ordered(use, block->device, block->stream)) {
+        counters_[block->device]["unordered_frees"]++;
+        break;
+      }
+    }
+    block->copies.clear();
+  }
+
+  void forget_ordered_copies(Block* block) {
+    std::vector<Position> kept;
+    for (const auto& use : block->copies) {
+      if (!is_ordered(use, block->device, block->stream)) kept.push_back(use);
+    }
+    block->copies = std::move(kept);
   }
 
   // First among blocks of its size: the next fitting allocation takes the block freed last.
@@ -383,6 +435,23 @@ void pinned_record_use(const void* ptr, int device, StreamId stream, uint64_t se
   host_allocator_.record_use(ptr, device, stream, seq);
 }
 
+void note_write(const c10::Storage& storage, const Position& at) {
+  Block* block = block_of(storage.data_ptr());
+  if (block != nullptr) device_allocator_.note_write(block, at);
+}
+
+Position last_write(const c10::Storage& storage) {
+  Block* block = block_of(storage.data_ptr());
+  return block == nullptr ? Position{} : device_allocator_.last_write(block);
+}
+
+void note_copy_use(const c10::Storage& storage, const Position& at) {
+  Block* block = block_of(storage.data_ptr());
+  if (block != nullptr) device_allocator_.note_copy_use(block, at);
+}
+
+void count(int device, const std::string& name) { device_allocator_.count(device, name); }
+
 void record_stream(const c10::DataPtr& data_ptr, c10::Stream stream) {
   Block* block = block_of(data_ptr);
   if (block != nullptr) device_allocator_.record_stream(block, stream);
@@ -400,6 +469,7 @@ void resize_storage_bytes(const c10::Storage& storage, size_t newsize) {
   }
   c10::DataPtr old = storage.unsafeGetStorageImpl()->set_data_ptr(std::move(fresh));
   storage.unsafeGetStorageImpl()->set_nbytes(newsize);
+  if (keep > 0) note_write(storage, mark(dev, current_stream_id(dev)));
 }
 
 void fail_nth_resize(int64_t n) {

@@ -86,6 +86,18 @@ at::Tensor& set_empty(at::Tensor& self) {
 
 // --- copies ------------------------------------------------------------------------------------
 
+// Inside the CPU fallback a copy is a compute op's own read or write (a kernel's, on a device),
+// not the host waiting for data.
+thread_local int fallback_depth = 0;
+
+// Whether a read of `t` on the reader stream is ordered after the last write of its block (see
+// the order of work in runtime.cpp); one that is not reads poison and is counted.
+bool read_is_ordered(const at::Tensor& t, int dev, StreamId reader) {
+  if (is_ordered(last_write(t.storage()), dev, reader)) return true;
+  count(dev, "unordered_reads");
+  return false;
+}
+
 // A CPU tensor over the same bytes (no copy): how host code reads device memory.
 at::Tensor cpu_alias(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [](void*) {},
@@ -103,9 +115,20 @@ void copy_on_host(const at::Tensor& src, const at::Tensor& dst) {
   for (const auto* t : {&src, &dst}) {
     if (t->device().type() == kDevice) drain(device_index(*t), current_stream_id(device_index(*t)));
   }
-  at::Tensor s = src.device().type() == kDevice ? cpu_alias(src) : src;
-  at::Tensor d = dst.device().type() == kDevice ? cpu_alias(dst) : dst;
+  const bool src_dev = src.device().type() == kDevice, dst_dev = dst.device().type() == kDevice;
+  at::Tensor s = src_dev ? cpu_alias(src) : src;
+  at::Tensor d = dst_dev ? cpu_alias(dst) : dst;
+  if (src_dev && !read_is_ordered(src, device_index(src), current_stream_id(device_index(src)))) {
+    s = at::empty(s.sizes(), s.options());
+    std::memset(s.data_ptr(), kPoison, s.nbytes());
+  }
   d.copy_(s);
+  if (dst_dev) {
+    const int dd = device_index(dst);
+    note_write(dst.storage(), mark(dd, current_stream_id(dd)));
+  } else if (src_dev && fallback_depth == 0) {  // the host reads device memory: it waited
+    host_sync(device_index(src), current_stream_id(device_index(src)));
+  }
 }
 
 // A copy on the default stream runs now, in stream order. On a side stream it is queued and
@@ -117,27 +140,51 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     copy_on_host(self, dst);
     return dst;
   }
-  const at::Tensor& dev_side = self.device().type() == kDevice ? self : dst;
+  const bool src_dev = self.device().type() == kDevice, dst_dev = dst.device().type() == kDevice;
+  const at::Tensor& dev_side = src_dev ? self : dst;
   const int dev = device_index(dev_side);
   const StreamId stream = current_stream_id(dev);
-  const bool d2d = self.device().type() == kDevice && dst.device().type() == kDevice;
+  const bool d2d = src_dev && dst_dev;
   if (d2d && device_index(dst) != dev) drain(device_index(dst), current_stream_id(device_index(dst)));
   void* out = dst.data_ptr();
   const void* in = self.data_ptr();
   const size_t n = self.nbytes();
+  // A read not ordered after the write it should see reads poison: what a copy racing its
+  // producer (or a kernel racing a copy in) may read on a device.
+  const bool poison = src_dev && !read_is_ordered(self, dev, stream);
+  auto run = [out, in, n, poison] {
+    if (poison) {
+      std::memset(out, kPoison, n);
+    } else {
+      std::memcpy(out, in, n);
+    }
+  };
   if (stream == 0) {
     drain(dev, 0);
-    std::memcpy(out, in, n);
+    run();
+    if (dst_dev) {  // in the order of the destination's current stream, as across devices
+      const int dd = device_index(dst);
+      note_write(dst.storage(), mark(dd, current_stream_id(dd)));
+    } else if (fallback_depth == 0) {  // the host reads device memory: it waited for the stream
+      host_sync(dev, 0);
+    }
     return dst;
   }
-  const uint64_t seq = enqueue(dev, stream, [out, in, n] { std::memcpy(out, in, n); }, true);
-  const void* host = d2d ? nullptr : (self.device().type() == kDevice ? out : in);
+  const uint64_t seq = enqueue(dev, stream, run, true);
+  const Position at{dev, stream, seq};
+  if (src_dev) note_copy_use(self.storage(), at);
+  if (dst_dev) {
+    note_write(dst.storage(), at);
+    note_copy_use(dst.storage(), at);
+  }
+  const void* host = d2d ? nullptr : (src_dev ? out : in);
   if (d2d) return dst;
   if (non_blocking && is_pinned_ptr(host)) {
     pinned_record_use(host, dev, stream, seq);
     return dst;
   }
   wait_done(dev, stream, seq);
+  if (fallback_depth == 0) host_synced(dev, stream, seq);  // a blocking copy: the host waited
   return dst;
 }
 
@@ -147,7 +194,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
-  drain(device_index(self), current_stream_id(device_index(self)));
+  host_sync(device_index(self), current_stream_id(device_index(self)));
   return cpu_alias(self).item();
 }
 
@@ -158,6 +205,10 @@ void record_stream_op(at::Tensor& self, c10::Stream stream) {
 // --- everything else: the CPU kernel, on CPU copies of the arguments ---------------------------
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  struct Depth {
+    Depth() { ++fallback_depth; }
+    ~Depth() { --fallback_depth; }
+  } depth;
   at::native::cpu_fallback(op, stack);
 }
 
@@ -199,6 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_delay", &set_delay, py::arg("enabled"), py::arg("min_ms"), py::arg("max_ms"));
   m.def("set_seed", &set_seed, py::arg("seed"));
   m.def("delay_settings", &delay_settings);
+  m.def("set_order_check", &set_order_check, py::arg("enabled"));
+  m.def("order_check", &order_check);
   m.def("fail_nth_resize", &fail_nth_resize, py::arg("n"));
   m.def("resize_calls", &resize_calls);
   m.def("mark_not_resizable", [](const at::Tensor& t) { mark_not_resizable(t.storage()); });

@@ -72,6 +72,20 @@ class Worker {
     return pushed_;
   }
 
+  // A position for work done now on the calling thread: the next seq, completed at once when the
+  // stream is idle (else a no-op task after what is queued).
+  uint64_t mark() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const uint64_t seq = ++pushed_;
+    if (completed_ + 1 == seq) {
+      completed_ = seq;
+    } else {
+      queue_.push_back(Task{seq, Clock::now(), [] {}});
+    }
+    cv_.notify_all();
+    return seq;
+  }
+
  private:
   void run() {
     for (;;) {
@@ -191,8 +205,82 @@ void drain(int device, StreamId stream) {
 
 void drain_device(int device) {
   for (StreamId s = 0; s <= kSideStreams; ++s) {
-    if (workers[device][s].load() != nullptr) drain(device, s);
+    if (workers[device][s].load() != nullptr) host_sync(device, s);
   }
+}
+
+Position mark(int device, StreamId stream) {
+  return Position{device, stream, worker(device, stream).mark()};
+}
+
+// --- the order of work: vector clocks ----------------------------------------------------------
+//
+// Compute runs on the host, so it always ran before a copy queued after it: the device cannot
+// let a copy race its producer for real. It checks the order instead, as a happens-before
+// checker: each stream carries a vector clock (the last seq of every stream its next work is
+// ordered after), an event the clock of its stream at the record, a wait merges the event's clock
+// into the waiting stream's, and a host synchronize merges into the host's clock, which every
+// stream's later work is ordered after. ops.cpp asks it before each read of a device block.
+
+namespace {
+
+constexpr int kSlots = kNumDevices * (kSideStreams + 1);
+using VectorClock = std::array<uint64_t, kSlots>;
+
+int slot(int device, StreamId stream) { return device * (kSideStreams + 1) + stream; }
+
+void merge(VectorClock& into, const VectorClock& from) {
+  for (int i = 0; i < kSlots; ++i) into[i] = std::max(into[i], from[i]);
+}
+
+struct OrderState {
+  std::mutex mutex;
+  std::array<VectorClock, kSlots> streams{};
+  VectorClock host{};
+  std::atomic<bool> enabled{true};
+};
+OrderState order_;
+
+// The clock of work at `seq` of the stream: its stream's clock now, and itself.
+VectorClock clock_at(int device, StreamId stream, uint64_t seq) {
+  std::lock_guard<std::mutex> lock(order_.mutex);
+  VectorClock c = order_.streams[slot(device, stream)];
+  c[slot(device, stream)] = std::max(c[slot(device, stream)], seq);
+  return c;
+}
+
+void stream_waits(int device, StreamId stream, const VectorClock& c) {
+  std::lock_guard<std::mutex> lock(order_.mutex);
+  merge(order_.streams[slot(device, stream)], c);
+}
+
+void host_waited(const VectorClock& c) {
+  std::lock_guard<std::mutex> lock(order_.mutex);
+  merge(order_.host, c);
+}
+
+}  // namespace
+
+bool is_ordered(const Position& p, int device, StreamId reader) {
+  if (!order_.enabled.load() || p.device < 0) return true;
+  if (p.device == device && p.stream == reader) return true;
+  const int s = slot(p.device, p.stream);
+  std::lock_guard<std::mutex> lock(order_.mutex);
+  return order_.streams[slot(device, reader)][s] >= p.seq || order_.host[s] >= p.seq;
+}
+
+void set_order_check(bool enabled) { order_.enabled.store(enabled); }
+bool order_check() { return order_.enabled.load(); }
+
+void host_sync(int device, StreamId stream) {
+  Worker& w = worker(device, stream);
+  const uint64_t seq = w.last();
+  w.wait(seq);
+  host_waited(clock_at(device, stream, seq));
+}
+
+void host_synced(int device, StreamId stream, uint64_t seq) {
+  host_waited(clock_at(device, stream, seq));
 }
 
 void drain_all() {
@@ -245,6 +333,7 @@ struct Event {
   StreamId stream = 0;
   uint64_t seq = 0;
   std::shared_ptr<std::atomic<int64_t>> time_ns;
+  VectorClock clock{};  // what its stream was ordered after at the record, itself included
 };
 
 int64_t now_ns() {
@@ -303,6 +392,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     auto* e = static_cast<Event*>(*event);
     auto stamp = std::make_shared<std::atomic<int64_t>>(0);
     e->seq = enqueue(dev, stream.id(), [stamp] { stamp->store(now_ns()); }, false);
+    e->clock = clock_at(dev, stream.id(), e->seq);
     e->device = dev;
     e->stream = stream.id();
     e->time_ns = stamp;
@@ -317,6 +407,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     uint64_t seq = e->seq;
     StreamId waiter = stream.id();
     enqueue(dev, waiter, [=] { wait_on_behalf(dev, waiter, src_dev, src, seq); }, false);
+    stream_waits(dev, waiter, e->clock);
   }
   bool queryEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);
@@ -324,7 +415,9 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   }
   void synchronizeEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);
-    if (e != nullptr && e->device >= 0) wait_done(e->device, e->stream, e->seq);
+    if (e == nullptr || e->device < 0) return;
+    wait_done(e->device, e->stream, e->seq);
+    host_waited(e->clock);
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<Event*>(event);
@@ -344,7 +437,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     return w.done(w.last());
   }
   void synchronizeStream(const c10::Stream& stream) const override {
-    drain(resolve(stream.device_index()), stream.id());
+    host_sync(resolve(stream.device_index()), stream.id());
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     drain_device(resolve(device_index));

@@ -4,6 +4,9 @@
 // its own; compute ops run on the calling thread once the current stream's queue is drained, so
 // they run in stream order. Copies issued on a side stream are queued there and start after a
 // seeded delay (cut short once the host waits for them), so a missing wait reads stale bytes.
+// Compute is not asynchronous, so the device checks the order itself: each stream and the host
+// carry a vector clock, each device block the position of its last write, and a copy (or a
+// compute op's read) not ordered after that write reads poison, as it may on a real device.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -44,9 +47,31 @@ void set_current_device(int device);
 StreamId current_stream_id(int device);
 c10::Stream make_stream(int device, StreamId id);
 
+// Block until everything queued on the stream so far ran: a host synchronize, after which work
+// queued on any stream is ordered after it (unlike `drain`, the stream order of compute).
+void host_sync(int device, StreamId stream);
+// The host waited for the task at `seq` of the stream (a blocking copy): as `host_sync` up to it.
+void host_synced(int device, StreamId stream, uint64_t seq);
+
 void set_delay(bool enabled, double min_ms, double max_ms);
 void set_seed(uint64_t seed);
 std::unordered_map<std::string, double> delay_settings();
+
+// --- the order of work (runtime.cpp) ----------------------------------------------------------
+
+// A place in a stream's order: the task at `seq` of (device, stream). device < 0: nowhere.
+struct Position {
+  int device = -1;
+  StreamId stream = 0;
+  uint64_t seq = 0;
+};
+// A position on the stream for work the calling thread does now (compute writing a block).
+Position mark(int device, StreamId stream);
+// Whether work queued now on (device, reader) is ordered after `p`: the same stream, a chain of
+// event waits from p's stream, or a host synchronize after it. Always true with the check off.
+bool is_ordered(const Position& p, int device, StreamId reader);
+void set_order_check(bool enabled);
+bool order_check();
 
 // --- memory (memory.cpp) -----------------------------------------------------------------------
 
@@ -62,6 +87,15 @@ void record_stream(const c10::DataPtr& data_ptr, c10::Stream stream);
 void resize_storage_bytes(const c10::Storage& storage, size_t newsize);
 // The fill every freed or fresh block gets (0xFF bytes: NaN in every floating dtype).
 constexpr unsigned char kPoison = 0xFF;
+
+// The order of a device block's accesses: its last write (reset when the block is handed out),
+// and the queued copies that read or wrote it (checked against its allocating stream at the free:
+// a free not ordered after one of them is counted as `unordered_frees`).
+void note_write(const c10::Storage& storage, const Position& at);
+Position last_write(const c10::Storage& storage);
+void note_copy_use(const c10::Storage& storage, const Position& at);
+// Add one to a counter of memory_stats(device).
+void count(int device, const std::string& name);
 
 void fail_nth_resize(int64_t n);
 int64_t resize_calls();
