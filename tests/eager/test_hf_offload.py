@@ -9,6 +9,7 @@ and is exact against the same reference."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -74,6 +75,12 @@ def test_blocks_left_out_by_the_filter_keep_hf_offload():
     assert _checkpoint_funcs(model) == hf_funcs
 
 
+# TrainingArguments' name for activation checkpointing: "activation_checkpointing" where the
+# release has it ("gradient_checkpointing" is its deprecated alias there), else the old name.
+_AC_ARG = next((f.name for f in dataclasses.fields(transformers.TrainingArguments)
+                if f.name == "activation_checkpointing"), "gradient_checkpointing")
+
+
 def _trainer_run(tmp_path, swap: bool):
     """Two steps of HF's ``Trainer`` with activation checkpointing, swap on or off."""
     model = _hf("llama")
@@ -81,7 +88,7 @@ def _trainer_run(tmp_path, swap: bool):
             torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))]
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("swap" if swap else "plain")), max_steps=2,
-        per_device_train_batch_size=2, gradient_checkpointing=True, learning_rate=0.1,
+        per_device_train_batch_size=2, **{_AC_ARG: True}, learning_rate=0.1,
         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
         dataloader_num_workers=0, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)

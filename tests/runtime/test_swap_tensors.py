@@ -213,6 +213,7 @@ def test_meta_tensors_are_left_out_of_a_group() -> None:
     assert len(group.tensors) == 1 and group.tensors[0] is a
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*are deprecated:UserWarning")
 def test_quantized_tensor_round_trips_bitwise(device) -> None:
     if device.type != "cpu":
         pytest.skip("quantized tensors are CPU tensors here")
@@ -228,6 +229,7 @@ def test_quantized_tensor_round_trips_bitwise(device) -> None:
     assert (q.q_scale(), q.q_zero_point(), q.dtype) == (0.1, 3, torch.qint8)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype:UserWarning")
 def test_nested_tensors_are_left_out_of_a_group() -> None:
     nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
     jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)],

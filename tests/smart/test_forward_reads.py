@@ -45,7 +45,8 @@ def _steps(model: nn.Module, steps: int) -> list:
     x = torch.randn(64, 128, requires_grad=True)
     x_before = x.detach().clone()
     reports = []
-    with SmartSwap(model, memory_budget=0.25) as smart:
+    with (pytest.warns(RuntimeWarning, match="memory_budget=0.25 .* cannot be met"),
+          SmartSwap(model, memory_budget=0.25) as smart):
         for _ in range(steps):
             rx = x.detach().clone().requires_grad_()
             with no_hooks():

@@ -136,7 +136,9 @@ def test_a_scrambled_plan_costs_memory_never_data(device):
 
 def test_with_full_recompute_the_checkpointed_inputs_are_swapped_exactly(device):
     pair = Pair(device, recompute=True)
-    with SmartSwap(pair.model, memory_budget=0.25) as smart:
+    # the forward itself holds more than 0.25 of the unswapped peak: the warning says where
+    with (pytest.warns(RuntimeWarning, match="memory_budget=0.25 .* cannot be met"),
+          SmartSwap(pair.model, memory_budget=0.25) as smart):
         for s in range(4):
             pair.step(smart, seed=s)
         assert smart.stage == Stage.STABLE and smart.last_report.swapped_storages > 0
