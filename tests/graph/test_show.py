@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import warnings
+
 import torch
 
 from swap_pass.graph.show import render
 
 
 def test_show_prints_graphs_before_and_after():
-    # budget mode on the 3-layer model cannot reach 0.5 of its peak, and warns that it did not
-    with pytest.warns(UserWarning, match="memory_budget=0.5 not reached"):
+    # Budget mode on the 3-layer model may fall short of 0.5 of its peak (it does on torch 2.13,
+    # not on 2.15): then it warns that it did, and nothing else may warn.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         page = render()
+    assert all("memory_budget=0.5 not reached" in str(w.message) for w in caught), caught
     text, budget = page.split("## Budget mode")
     before_fw, after_fw = text.split("### Forward graph before the pass")[1].split(
         "### Forward graph after the pass")
