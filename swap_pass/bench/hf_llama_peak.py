@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.bench.measure import warm_step_peak
 
 __all__ = ["hf_llama_step_peak"]
@@ -25,7 +26,7 @@ def _hf_llama(layers: int, hidden: int, seq: int, vocab: int, checkpoint: bool,
                       max_position_embeddings=seq, use_cache=False)
     model = LlamaForCausalLM(cfg).to(device)
     if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing_enable(model)
     return model.train()
 
 

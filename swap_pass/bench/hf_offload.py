@@ -25,7 +25,8 @@ from torch import nn
 from swap_pass.bench.methods import BenchContext, MethodSkipped, Runner, require
 from swap_pass.models import LlamaStyleModel
 
-__all__ = ["hf_llama_like", "hf_offload", "hf_offload_switch", "logits_loss"]
+__all__ = ["hf_checkpointing_enable", "hf_llama_like", "hf_offload", "hf_offload_switch",
+           "logits_loss"]
 
 
 def _hf_config(model: LlamaStyleModel) -> object:
@@ -97,6 +98,19 @@ def logits_loss(hf: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.T
 # (method, keyword of its checkpoint arguments), newest first
 _SWITCHES = (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
              ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"))
+
+
+def hf_checkpointing_enable(model: nn.Module, *, use_reentrant: bool = False) -> None:
+    """Turn on HF's activation checkpointing of ``model`` by the newest name its transformers has
+    (``activation_checkpointing_enable``; ``gradient_checkpointing_enable``, deprecated in
+    transformers 5, before it)."""
+    for name, kwargs_name in _SWITCHES:
+        method = getattr(model, name, None)
+        if method is not None:
+            method(**{kwargs_name: {"use_reentrant": use_reentrant}})
+            return
+    raise TypeError(f"{type(model).__name__} has no activation checkpointing switch "
+                    f"({' or '.join(name for name, _ in _SWITCHES)})")
 
 
 def hf_offload_switch(model_cls: type) -> tuple[str, str]:

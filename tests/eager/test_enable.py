@@ -4,13 +4,13 @@ edit."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import swap_pass
+from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.eager import find_layer_blocks
 from swap_pass.eager._layer_io import in_backward
 from swap_pass.runtime.manager import SwapLayerInputManager
@@ -64,10 +64,7 @@ def test_hf_models_bitwise_equal(kind, ckpt, device):
     model = copy.deepcopy(ref)
     if ckpt is not None:
         for m in (ref, model):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                m.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+            hf_checkpointing_enable(m, use_reentrant=ckpt == "reentrant")
     handle = swap_pass.enable_swap_layer_input(model)
     assert len(handle.layers) == L
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)

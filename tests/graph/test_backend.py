@@ -8,6 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import swap_pass
 from swap_pass import SwapConfig, make_swap_backend
+from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.graph.boundaries import find_layers
 from swap_pass.graph.budget import CostModel
 from tests.conftest import DEVICES
@@ -190,7 +191,7 @@ def _hf_llama_step(backend, checkpoint: bool, steps: int = 1):
     model = hf_llama_tiny(num_layers=L)
     model.config.use_cache = False  # with checkpointing, HF would log that it turns the cache off
     if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing_enable(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     torch._dynamo.reset()
     compiled = torch.compile(model.train(), backend=backend, fullgraph=True)

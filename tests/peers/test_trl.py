@@ -13,6 +13,7 @@ from torch import nn
 
 import swap_pass
 from swap_pass import SmartSwap, SwapConfig
+from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.smart import SmartSwapConfig
 from tests.peers.helpers import exact_steps, moved, qwen_batch, tiny_qwen2, twins
 
@@ -151,11 +152,11 @@ def test_gradient_accumulation():
 @pytest.mark.slow
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_hf_gradient_checkpointing(use_reentrant):
-    """TRL with HF gradient checkpointing (gradient_checkpointing_enable)."""
+    """TRL with HF activation checkpointing (``gradient_checkpointing_enable`` before
+    transformers 5)."""
     ref, model = twins(tiny_qwen2)
     for m in (ref, model):
-        m.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        hf_checkpointing_enable(m, use_reentrant=use_reentrant)
         m.train()
     handle = swap_pass.enable_swap_layer_input(model)
     exact_steps(ref, model, _loss, _batches())
