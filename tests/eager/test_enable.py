@@ -57,6 +57,17 @@ def _freed_after_forward(model, layers, run) -> list[bool]:
     return out, [x.untyped_storage().nbytes() == 0 for x in seen]
 
 
+def _hf_step_freeing(model, layers, ids):
+    """``_hf_step`` of a swapped model, asserting every layer input but the last was freed at
+    the end of forward."""
+    model.zero_grad(set_to_none=True)
+    loss, freed = _freed_after_forward(model, layers, lambda: model(input_ids=ids, labels=ids).loss)
+    assert freed == [True] * (len(layers) - 1) + [False]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non_reentrant"])
 def test_hf_models_bitwise_equal(kind, ckpt, device):
@@ -69,14 +80,7 @@ def test_hf_models_bitwise_equal(kind, ckpt, device):
     assert len(handle.layers) == L
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     expected = _hf_step(ref, ids)
-    model.zero_grad(set_to_none=True)
-    loss, freed = _freed_after_forward(model, handle.layers,
-                                       lambda: model(input_ids=ids, labels=ids).loss)
-    assert freed == [True] * (L - 1) + [False]
-    loss.backward()
-    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None})
-    assert_exact(expected, got)
+    assert_exact(expected, _hf_step_freeing(model, handle.layers, ids))
     assert swap_pass.swap_stats().swap_ins == L - 1
     assert_clean()
     assert_exact(_hf_step(ref, ids), _hf_step(model, ids))  # a second step, same

@@ -16,7 +16,7 @@ import torch
 
 import swap_pass
 from tests.eager.helpers import assert_clean, assert_exact
-from tests.eager.test_enable import L, _freed_after_forward, _hf, _hf_step
+from tests.eager.test_enable import L, _hf, _hf_step, _hf_step_freeing
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -47,14 +47,7 @@ def test_hf_offload_is_replaced_by_the_swap_exactly(kind, device):
         assert_exact(expected, _hf_step(model, ids))
         assert swap_pass.swap_stats().swapped_out_bytes == 0
     handle = swap_pass.enable_swap_layer_input(model)
-    model.zero_grad(set_to_none=True)
-    loss, freed = _freed_after_forward(model, handle.layers,
-                                       lambda: model(input_ids=ids, labels=ids).loss)
-    assert freed == [True] * (L - 1) + [False]
-    loss.backward()
-    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None})
-    assert_exact(expected, got)
+    assert_exact(expected, _hf_step_freeing(model, handle.layers, ids))
     layer_input = 2 * 8 * 32 * 4
     assert swap_pass.swap_stats().swapped_out_bytes == (L - 1) * layer_input
     assert_clean()
