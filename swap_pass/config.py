@@ -24,8 +24,14 @@ class SwapConfig:
     """Knobs shared by every way into swap_pass.
 
     Args:
-        max_host_bytes: Cap on host bytes the runtime may hold at once (pooled buffers included).
-            ``None`` means no cap beyond what the machine has. Default: ``None``.
+        max_host_bytes: Cap on host bytes the runtime may hold at once (pooled buffers included,
+            counted in the blocks the host allocator sets aside: pinned buffers round up to a
+            power of two). ``None`` means no cap beyond what the machine has; the buffer pool
+            then still keeps at most twice the most bytes it had in use at once since the last
+            ``swap_pass.reset()`` (``swap_stats().host_pool_bound_bytes``), dropping cached
+            buffers beyond that. Either way, pinned memory goes back to the system only at
+            ``swap_pass.reset()``: nothing in a step calls ``empty_host_cache``. Default:
+            ``None``.
         on_host_exhausted: ``"error"`` or ``"keep_on_device"``; see :class:`OnHostExhausted`.
             Default: ``"error"``.
         min_swap_bytes: Storages smaller than this stay on the device; moving them costs more

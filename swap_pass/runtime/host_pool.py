@@ -1,10 +1,15 @@
 """Host buffers for swapped data, reused by size so that steady-state steps allocate nothing.
 
 Fresh pinned allocations cost milliseconds and can synchronize the device, so a buffer released
-after its host-to-device copy goes back to a bucket keyed by ``(nbytes, pinned)`` and serves the
-next request of that size. ``SwapConfig.max_host_bytes`` caps everything the pool holds, cached
-buffers included, counted in the bytes the host allocator set aside for them (see Note: [Pinned
-block bytes]); cached buffers are dropped, as few as will do, when a request would pass the cap.
+after its host-to-device copy goes back to a bucket keyed by its block (the bytes the host
+allocator sets aside for it, see Note: [Pinned block bytes]) and pinning, and serves the next
+request that needs a block of that size: a request is handed a view of its own bytes at the
+start of the block (see Note: [One bucket per block]). ``SwapConfig.max_host_bytes`` caps
+everything the pool holds, cached buffers included, counted in block bytes; without it the pool
+keeps at most :data:`BOUND_FACTOR` times the most bytes it ever had in use at once (see Note:
+[The pool's default bound]). Cached buffers are dropped, as few as will do, when a request would
+pass either bound; dropping never gives memory back to the system mid-step (see Note: [Nothing
+that can synchronize]).
 
 Note: [A released buffer carries its last copy's event]
 A buffer may be given back while a copy on some stream still reads or writes it (its releaser
@@ -36,8 +41,8 @@ import torch
 from swap_pass.runtime import stats
 from swap_pass.runtime.errors import HostMemoryError
 
-__all__ = ["HostBufferPool", "available_host_bytes", "block_bytes", "host_pool", "preflight",
-           "return_pinned_memory", "storage_use_count"]
+__all__ = ["BOUND_FACTOR", "HostBufferPool", "available_host_bytes", "block_bytes", "host_pool",
+           "preflight", "return_pinned_memory", "storage_use_count"]
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -118,8 +123,31 @@ def block_bytes(nbytes: int, pinned: bool) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
+# Note: [One bucket per block]
+# Sequence lengths change from step to step (packing, variable batches), and so do the bytes of
+# every layer input. Keyed by exact bytes, each new length missed the pool and pinned fresh
+# blocks (milliseconds each, and a possible sync), kept for a length that may never come back:
+# 8 lengths from 500 to 777 tokens (hidden 1024, 4 layers) held 112 MiB pinned for steps that
+# need 12 MiB. The host allocator rounds a pinned request up to a power of two anyway, so the
+# pool allocates that whole block, buckets it by its size, and hands each request a view of its
+# own bytes at the block's start: every length between two powers of two reuses the same
+# blocks. A bucket's cached buffer keeps the dtype and shape of its last use (the same layer's
+# next request takes it as it is); another shape gets a fresh view of the block. Pageable
+# buffers (CPU, ``pin_memory=False``) are not rounded: their block is their size.
+#
+# Note: [The pool's default bound]
+# Without ``SwapConfig.max_host_bytes`` the pool still bounds what it holds: at most
+# BOUND_FACTOR times the most block bytes it had in use at once since the last ``clear()``
+# (``swap_pass.reset()``), which is about one step's need. A fresh buffer that would pass it
+# first drops cached ones (the cap's rule: one buffer if one will do, else the largest), so
+# buckets of sizes the workload left behind do not stay pinned forever. ``swap_stats()``
+# reports the bound as ``host_pool_bound_bytes``.
+
+BOUND_FACTOR = 2  # the pool holds at most this many times its peak bytes in use
+
+
 class _Bucket(list):
-    """Cached buffers of one ``(nbytes, pinned)`` key, and the block bytes each one holds."""
+    """Cached buffers of one ``(block bytes, pinned)`` key, and the block bytes each one holds."""
 
     __slots__ = ("block",)
 
@@ -142,8 +170,11 @@ class HostBufferPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (nbytes, pinned) -> cached buffers; a bucket stays once made: it knows its block size
+        # (block bytes, pinned) -> cached buffers (whole blocks; see Note: [One bucket per block])
         self._free: dict[tuple[int, bool], _Bucket] = {}
+        # (requested bytes, pinned) -> its bucket's key: the block size is computed once per size
+        self._keys: dict[tuple[int, bool], tuple[int, bool]] = {}
+        self._high_water = 0  # most block bytes in use at once since clear(): the default bound
         self._reserved_bytes = 0  # in use plus cached: changes only when buffers come or go
         self._in_use_bytes = 0
         self._pending_bytes = 0  # set aside for fresh buffers being allocated
@@ -207,41 +238,53 @@ class HostBufferPool:
         """
         if self._deferred or self._unread:  # what drain_deferred() checks first, spared a call
             self.drain_deferred()
+        key = self._keys.get((nbytes, pin)) or self._key_of(nbytes, pin)
         lock = self._lock
         lock.acquire()  # not ``with``: see _put_back()
         try:
-            bucket = self._free.get((nbytes, pin))
+            bucket = self._free.get(key)
             if bucket:  # a reused buffer, inline on the hot path
                 buf = bucket.pop()
                 event = self._events.pop(buf.data_ptr(), None) if self._events else None
                 self._in_use_bytes += bucket.block
                 if self._in_use_bytes > self._peak_in_use_bytes:
                     self._peak_in_use_bytes = self._in_use_bytes
+                    if self._in_use_bytes > self._high_water:
+                        self._high_water = self._in_use_bytes
             else:
                 buf, event = None, None
-                block, evicted = self._make_room(nbytes, pin, max_host_bytes)
+                evicted = self._make_room(key, max_host_bytes)
         finally:
             lock.release()
         if buf is None:
-            buf = self._fresh(nbytes, pin, block, evicted)
+            buf = self._fresh(key, evicted)
         if like is None:
-            return (buf if buf.dtype is torch.uint8 and buf.dim() == 1 else _flat(buf)), event
+            if buf.dtype is torch.uint8 and buf.dim() == 1 and buf.shape[0] == nbytes:
+                return buf, event
+            return _bytes_of(buf, nbytes), event
         if buf.dtype is like.dtype and buf.shape == like.shape:
             return buf, event
-        return _flat(buf).view(like.dtype).view(like.shape), event
+        return _bytes_of(buf, nbytes).view(like.dtype).view(like.shape), event
 
-    def _fresh(self, nbytes: int, pin: bool, block: int, evicted: _Evicted) -> torch.Tensor:
-        """Allocate a buffer whose ``block`` bytes :meth:`_make_room` set aside, after giving
-        back what it evicted: outside the lock, since either can synchronize the device."""
+    def _key_of(self, nbytes: int, pin: bool) -> tuple[int, bool]:
+        """The bucket of requests of ``nbytes``: ``(block bytes, pin)``, computed once per size
+        (reading the allocator settings costs microseconds; see Note: [One bucket per block])."""
+        key = self._keys[(nbytes, pin)] = (block_bytes(nbytes, pin), pin)
+        return key
+
+    def _fresh(self, key: tuple[int, bool], evicted: _Evicted) -> torch.Tensor:
+        """Allocate a whole block of bucket ``key``, which :meth:`_make_room` set aside, after
+        dropping what it evicted: outside the lock, since either can wait for the device."""
+        block, pin = key
         buf = None
         try:
-            _give_back(evicted)
-            buf = self._allocate(nbytes, pin)
+            _drop(evicted)
+            buf = self._allocate(block, pin)
         finally:
             with self._lock:
                 self._pending_bytes -= block
                 if buf is not None:
-                    self._take_fresh(nbytes, pin, block)
+                    self._take_fresh(key)
         if self.on_allocate is not None:
             self.on_allocate(buf)
         return buf
@@ -332,9 +375,9 @@ class HostBufferPool:
     def _forgotten_block(self, nbytes: int, pinned: bool | None) -> int:
         """Block bytes of a forgotten buffer of ``nbytes`` (under the lock)."""
         for pin in ((True, False) if pinned is None else (pinned,)):
-            bucket = self._free.get((nbytes, pin))
-            if bucket is not None:
-                return bucket.block
+            key = self._keys.get((nbytes, pin))
+            if key is not None:
+                return key[0]
         return nbytes
 
     def _put_back(self, buf: torch.Tensor, event: object = None,
@@ -342,8 +385,9 @@ class HostBufferPool:
         """Return ``buf`` to its bucket; ``event`` as in :meth:`release`."""
         if self.on_release is not None:
             self.on_release(buf)
-        nbytes = buf.nbytes
-        key = (nbytes, buf.is_pinned() if pinned is None else pinned)
+        # The whole block: a buffer handed out is a view of its first bytes (see Note: [One
+        # bucket per block]).
+        key = (buf.untyped_storage().nbytes(), buf.is_pinned() if pinned is None else pinned)
         lock = self._lock
         # acquire()/release() rather than ``with``: a third cheaper per round on CPython 3.11,
         # and this and take() run once per swapped layer each.
@@ -368,6 +412,7 @@ class HostBufferPool:
             self._put_back(*self._unread.popleft())
         with self._lock:
             dropped = self._evict(None)
+            self._high_water = self._in_use_bytes
         _give_back(dropped)  # outside the lock: see Note: [Nothing that can synchronize]
 
     # --- internals ---
@@ -375,7 +420,8 @@ class HostBufferPool:
     def _evict(self, need: int | None) -> _Evicted:
         """Take cached buffers out of their buckets until ``need`` block bytes are freed (all
         of them when None), under the lock; return them with their events and pinning, to be
-        given back (:func:`_give_back`) once the lock is released.
+        dropped (:func:`_drop`, :func:`_give_back` from :meth:`clear`) once the lock is
+        released.
 
         The smallest single buffer that frees ``need`` goes, else the largest ones first: few
         buffers, and none freed beyond what is needed.
@@ -394,24 +440,35 @@ class HostBufferPool:
         self._reserved_bytes -= freed
         return evicted
 
-    def _take_fresh(self, nbytes: int, pin: bool, block: int) -> None:
-        """Count a fresh buffer of ``block`` bytes as in use (under the lock)."""
-        if (nbytes, pin) not in self._free:
-            self._free[(nbytes, pin)] = _Bucket(block)
+    def _take_fresh(self, key: tuple[int, bool]) -> None:
+        """Count a fresh block of bucket ``key`` as in use (under the lock)."""
+        block = key[0]
+        if key not in self._free:
+            self._free[key] = _Bucket(block)
         self._in_use_bytes += block
         if self._in_use_bytes > self._peak_in_use_bytes:
             self._peak_in_use_bytes = self._in_use_bytes
+        if self._in_use_bytes > self._high_water:
+            self._high_water = self._in_use_bytes
         self._allocations += 1
         self._reserved_bytes += block
 
+    @property
+    def bound_bytes(self) -> int:
+        """Most block bytes the pool keeps without ``SwapConfig.max_host_bytes``: see Note:
+        [The pool's default bound]."""
+        return BOUND_FACTOR * self._high_water
+
     def gauges(self) -> dict[str, int]:
         """The host fields of :class:`~swap_pass.SwapStats`: bytes in use (and their peak),
-        bytes reserved, fresh allocations (peak and allocations since :meth:`restart_gauges`)."""
+        bytes reserved, fresh allocations (peak and allocations since :meth:`restart_gauges`),
+        and the pool's default bound."""
         with self._lock:
             return {"host_bytes_in_use": self._in_use_bytes,
                     "peak_host_bytes_in_use": self._peak_in_use_bytes,
                     "host_bytes_reserved": self._reserved_bytes,
-                    "host_allocations": self._allocations}
+                    "host_allocations": self._allocations,
+                    "host_pool_bound_bytes": BOUND_FACTOR * self._high_water}
 
     def restart_gauges(self) -> None:
         """Restart the peak at the bytes now in use and the allocation count at zero."""
@@ -419,33 +476,33 @@ class HostBufferPool:
             self._peak_in_use_bytes = self._in_use_bytes
             self._allocations = 0
 
-    def _make_room(self, nbytes: int, pin: bool, max_host_bytes: int | None
-                   ) -> tuple[int, _Evicted]:
-        """Set aside the block of a fresh buffer under ``max_host_bytes`` (under the lock).
+    def _make_room(self, key: tuple[int, bool], max_host_bytes: int | None) -> _Evicted:
+        """Set aside a fresh block of bucket ``key`` under ``max_host_bytes`` and the pool's
+        default bound (under the lock; see Note: [The pool's default bound]).
 
         Returns:
-            The block bytes set aside, and the cached buffers evicted for them (given back by
-            :meth:`_fresh` once the lock is released).
+            The cached buffers evicted for it (dropped by :meth:`_fresh` once the lock is
+            released).
 
         Raises:
             HostMemoryError: buffers in use (or being allocated) leave no room for the block
-                even with every cached one dropped; then none is dropped.
+                under ``max_host_bytes`` even with every cached one dropped; then none is
+                dropped.
         """
-        bucket = self._free.get((nbytes, pin))
-        block = bucket.block if bucket is not None else block_bytes(nbytes, pin)
-        evicted = []
+        block = key[0]
+        committed = self._pending_bytes + self._in_use_bytes
+        limit = BOUND_FACTOR * max(self._high_water, committed + block)
         if max_host_bytes is not None:
-            committed = self._pending_bytes + self._in_use_bytes
             if committed + block > max_host_bytes:
                 raise HostMemoryError(
                     "host_pool", block, max(max_host_bytes - committed, 0),
                     f"SwapConfig.max_host_bytes={max_host_bytes} would be passed",
                 )
-            over = self._reserved_bytes + self._pending_bytes + block - max_host_bytes
-            if over > 0:
-                evicted = self._evict(over)
+            limit = min(limit, max_host_bytes)
+        over = self._reserved_bytes + self._pending_bytes + block - limit
+        evicted = self._evict(over) if over > 0 else []
         self._pending_bytes += block
-        return block, evicted
+        return evicted
 
     @staticmethod
     def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
@@ -460,18 +517,21 @@ class HostBufferPool:
 
 # Note: [Returning pinned memory]
 # Pinned buffers come from PyTorch's caching host allocator, which keeps a freed block for the
-# next pinned allocation instead of returning it: dropping our references alone bounds pinned
-# bytes by neither SwapConfig.max_host_bytes nor swap_pass.reset(). Where the torch build has
-# torch.accelerator.empty_host_cache, the pool calls it after dropping cached pinned buffers
-# (clear(), reset(), a request over max_host_bytes); the allocator frees the blocks nothing else
-# holds, once the copies that used them completed.
+# next pinned allocation instead of returning it: dropping our references alone does not give
+# pinned memory back to the system. Where the torch build has torch.accelerator.empty_host_cache,
+# the pool calls it after dropping its cached pinned buffers in clear() (swap_pass.reset()), and
+# only there: the allocator frees the blocks nothing else holds, once the copies that used them
+# completed. A buffer evicted in a step (max_host_bytes, the default bound) is only dropped: its
+# block stays in the allocator's cache, where the next pinned allocation of its size takes it.
 #
 # Note: [Nothing that can synchronize]
 # Freeing pinned memory (cudaFreeHost, also when the last reference to a block above
 # pinned_max_cached_size_mb dies), empty_host_cache and a fresh pinned allocation (cudaHostAlloc)
-# can each wait for the device. None of them runs while the pool's lock is held: a thread
-# taking or giving back a buffer would wait for the device too. The lock only moves buffers and
-# counts bytes; evicted buffers are dropped, and fresh ones allocated, after it is released.
+# can each wait for the device. empty_host_cache frees every idle pinned block of the process,
+# so it never runs inside a step's forward or backward: only clear() calls it. None of them runs
+# while the pool's lock is held: a thread taking or giving back a buffer would wait for the
+# device too. The lock only moves buffers and counts bytes; evicted buffers are dropped, and
+# fresh ones allocated, after it is released.
 
 
 def return_pinned_memory() -> bool:
@@ -491,22 +551,32 @@ def return_pinned_memory() -> bool:
     return True
 
 
-def _give_back(evicted: _Evicted) -> None:
-    """Drop evicted buffers and their events, then return pinned memory if any was pinned.
+def _drop(evicted: _Evicted) -> None:
+    """Drop evicted buffers and their events: their blocks go back to the host allocator's
+    cache, nothing is given back to the system (a step may be running; see Note: [Nothing that
+    can synchronize]). Never under the pool's lock."""
+    evicted.clear()  # the last references: the buffers and events go here
 
-    Never under the pool's lock: see Note: [Nothing that can synchronize].
-    """
+
+def _give_back(evicted: _Evicted) -> None:
+    """Drop buffers cleared out of the pool, then return pinned memory if any was pinned (only
+    from :meth:`HostBufferPool.clear`: see Note: [Returning pinned memory]). Never under the
+    pool's lock."""
     if not evicted:
         return
     pinned = any(pin for _, _, pin in evicted)
-    evicted.clear()  # the last references: the buffers and events go here
+    _drop(evicted)
     if pinned:
         return_pinned_memory()
 
 
-def _flat(buf: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous pool buffer as a flat ``uint8`` tensor (a view)."""
-    return buf.view(-1).view(torch.uint8)
+_EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)  # its new_empty() makes each view below
+
+
+def _bytes_of(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` bytes of a pool buffer's block as a flat ``uint8`` tensor (see Note:
+    [One bucket per block])."""
+    return _EMPTY_BYTES.new_empty(0).set_(buf.untyped_storage(), 0, (nbytes,), (1,))
 
 
 _pool = HostBufferPool()

@@ -32,6 +32,10 @@ class SwapStats:
         peak_host_bytes_in_use: Highest ``host_bytes_in_use`` since the last reset.
         host_bytes_reserved: Host bytes the buffer pool holds, in use or cached for reuse.
         host_allocations: Fresh host buffers allocated (pool misses).
+        host_pool_bound_bytes: Most host bytes the buffer pool keeps without
+            ``SwapConfig.max_host_bytes``: twice the most it had in use at once since the last
+            :func:`swap_pass.reset` (block bytes; see Note: [The pool's default bound] in
+            ``swap_pass/runtime/host_pool.py``). Cached buffers beyond it are dropped.
         device_bytes_released: Device bytes now freed because their data is on the host, on
             every path: the eager paths and SmartSwap free storages themselves; in traced and
             compiled graphs the swapped tensor's storage counts once the graph has dropped it
@@ -62,6 +66,7 @@ class SwapStats:
     peak_host_bytes_in_use: int = 0
     host_bytes_reserved: int = 0
     host_allocations: int = 0
+    host_pool_bound_bytes: int = 0
     device_bytes_released: int = 0
     peak_device_bytes_released: int = 0
     kept_on_device: int = 0
@@ -81,7 +86,7 @@ _acquire, _release = _lock.acquire, _lock.release
 # The host gauges are the host buffer pool's own figures (see set_host_gauges): the pool keeps
 # them as it hands buffers out, so taking and giving back a buffer costs no record() call.
 _HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reserved",
-                "host_allocations")
+                "host_allocations", "host_pool_bound_bytes")
 _PER_REASON = ("skipped_bytes", "skips")
 _FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats)
                 if f.name not in _HOST_GAUGES + _PER_REASON)

@@ -11,14 +11,15 @@ flat host buffer, then freed in place with ``untyped_storage().resize_(0)``; res
 back and copies the bytes in. Every tensor that shares the storage (autograd's saved references,
 views, slices) therefore sees its data again with its own dtype, strides and offset.
 
-Stream protocol. It orders streams with events and never calls ``record_stream``, which would
-keep a freed storage from the allocator until the side stream's later work completes (delayed
-frees, fragmented memory):
+Stream protocol. It orders streams with events, and calls ``record_stream`` only for the one
+case events cannot order (a storage allocated on another stream than the compute stream; see
+Note: [Frees on the allocating stream] in ``device.py``):
 
 * ``swap_to_host``: the d2h stream waits on an event recorded on the compute stream, copies,
-  records ``e_d2h``.
+  records ``e_d2h``; each storage the copy reads records the d2h stream.
 * ``wait_d2h``: the compute stream waits on ``e_d2h``; only then is the device storage freed, so
-  the caching allocator cannot hand it out while the copy still reads it.
+  the caching allocator cannot hand it out while the copy still reads it (its allocating
+  stream's pool, whatever stream that is, keeps it until the d2h stream ran the copy).
 * ``swap_to_device``: the storage is re-allocated on the compute stream, the h2d stream waits on
   an event recorded after that, copies, records ``e_h2d``. The tensors stay guarded: nothing may
   read the storage before the compute stream waits on ``e_h2d`` (a Python reader that tries
@@ -475,6 +476,39 @@ class SwapTensors:
                     detail="Swaps never run while a stream captures a CUDA graph; swap outside "
                            "the captured region, or capture without swap_pass.")
 
+    # Note: [A group that meets a capture]
+    # A group begun before a capture (CUDA graphs, NPU graphs) can reach its next transition
+    # inside it: a layer's backward captured after its forward ran eagerly, a reader restoring a
+    # guarded tensor. Each transition would queue captured work: a wait on an event recorded
+    # outside the capture, a free, a re-allocation and a copy from a host buffer that a replay
+    # would read again after the pool handed it out. None runs. ``wait_d2h`` keeps the data on
+    # the device (the storages are still whole; the copy out needs no wait, as the copy stream
+    # is recorded on them, see Note: [Frees on the allocating stream] in ``device.py``) and the
+    # group goes on as kept, counted as ``skipped_bytes["stream_capture"]``. ``swap_to_device``
+    # and ``wait_h2d`` cannot keep anything (the data is on the host, or on its way back), so
+    # they refuse before doing anything: the group stays as it was, its tensors guarded, and the
+    # same call after the capture completes it.
+
+    def _capturing(self, ds: DeviceStreams) -> bool:
+        """Whether the group's compute stream (or the current stream) is capturing a graph."""
+        return ds.is_async and ds.is_capturing(self._compute)
+
+    def _capture_error(self, api: str, what: str) -> RuntimeError:
+        """The refusal of ``api`` inside a capture (see Note: [A group that meets a capture])."""
+        return RuntimeError(
+            f"swap_pass.SwapTensors.{api}: called while a stream captures a graph (compute "
+            f"stream {self._compute}) for {self.name or 'a swap group'} in state "
+            f"{self.stat.value!r}; {what}. A group begun outside a capture must be completed "
+            "outside it: call it before the capture begins or after it ends (the group is "
+            "unchanged, its tensors stay guarded).")
+
+    def _keep_copied_while_capturing(self) -> None:
+        """:meth:`wait_d2h` inside a capture: keep the device data, give the host buffers back
+        with the copy's event (their next taker waits on it), and go on as kept."""
+        self._release_host_buffers(self._event)
+        self._event, self._out_waited = None, False
+        self._keep_while_capturing()
+
     def wait_d2h(self) -> None:
         """Wait for the device-to-host copy, then free the device storages ("d2h" -> "host").
 
@@ -491,6 +525,10 @@ class SwapTensors:
                     raise _modified_error(self.name, t, v, "between swap_to_host() and wait_d2h()")
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
+            if self._capturing(ds):  # see Note: [A group that meets a capture]
+                self._keep_copied_while_capturing()
+                self.stat = HOST
+                return
             if not self._out_waited:
                 self._wait_on_compute(self._event)
             self._out_waited = False  # _event kept: the host buffers' last copy (discard)
@@ -537,7 +575,8 @@ class SwapTensors:
         """
         if self.stat is not D2H:
             self._expect(D2H, "SwapTensors.wait_copy_out")
-        if not self._out_waited and self._event is not None:
+        if (not self._out_waited and self._event is not None
+                and not self._capturing(self._ds or self._streams())):  # then wait_d2h keeps
             self._wait_on_compute(self._event)
             self._out_waited = True
 
@@ -552,6 +591,10 @@ class SwapTensors:
         entries = self._entries
         if not self.kept_on_device and entries:
             ds = self._ds or self._streams()
+            if self._capturing(ds):  # see Note: [A group that meets a capture]
+                raise self._capture_error(
+                    "swap_to_device", "re-allocating its storages and copying its data back "
+                    "would be captured, and a replay would read host buffers handed out since")
             if stream is None and ds.is_async:  # None: copies are synchronous (CPU)
                 stream = ds.h2d_stream(self._compute)
             allocated: list[_StorageEntry] = []
@@ -586,6 +629,10 @@ class SwapTensors:
             self._expect(H2D, "SwapTensors.wait_h2d")
         entries = self._entries
         if not self.kept_on_device and entries:
+            if self._capturing(self._ds or self._streams()):
+                raise self._capture_error(  # see Note: [A group that meets a capture]
+                    "wait_h2d", "its copy back was queued before the capture, and a captured "
+                    "wait cannot order a replay after it")
             event, self._event = self._event, None
             self._wait_on_compute(event)
             unguard(self._entry_tensors)
@@ -744,9 +791,12 @@ class SwapTensors:
 
     def _abandon_d2h(self) -> None:
         # The copy may still read the device storages, which stay with their tensors and may be
-        # freed or die any time now: the compute stream (their allocating stream) waits for it.
-        # It may still write the buffers: whoever takes them next waits on its event.
-        self._wait_on_compute(self._event)
+        # freed or die any time now: the compute stream (their allocating stream) waits for it,
+        # except inside a capture, where the copy stream recorded on them keeps them (see Note:
+        # [A group that meets a capture]). It may still write the buffers: whoever takes them
+        # next waits on its event.
+        if self._event is not None and not self._capturing(self._ds or self._streams()):
+            self._wait_on_compute(self._event)
         self._release_host_buffers(self._event)
         self._event, self._out_waited = None, False
         self._leave_registry()
@@ -784,12 +834,17 @@ def _queue_copies(ds: DeviceStreams, stream: torch.Stream | None, entries: list[
         host = e.host
         if e.dense:  # host has the tensor's dtype and shape: see Note: [Dense copies]
             device = e.tensors[0].data if to_host else e.alias
-        elif e.span is None:  # storage to storage: no byte view to build
-            device, host = e.storage, host.untyped_storage()
+        elif e.span is None:
+            block = host.untyped_storage()
+            if block.nbytes() == e.nbytes:  # storage to storage: no byte view to build
+                device, host = e.storage, block
+            else:  # host is the first bytes of a larger pooled block: copy into just those
+                device = _bytes_view(e.storage, 0, e.nbytes)
         else:
             lo, hi = e.span
             device = _bytes_view(e.storage, lo, hi - lo)
         if to_host:
+            ds.keep_for_copy(e.tensors[0], stream)  # see Note: [Frees on the allocating stream]
             ds.copy(stream, host, device, pinned=bool(pinned), compute=compute)
         else:
             ds.copy(stream, device, host, pinned=bool(pinned), compute=compute)

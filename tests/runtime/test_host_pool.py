@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import pytest
@@ -11,7 +12,7 @@ import swap_pass
 from swap_pass import HostMemoryError, SwapConfig, SwapTensors
 from swap_pass._version_check import check_torch_version
 from swap_pass.runtime import host_pool, preflight
-from swap_pass.runtime.host_pool import block_bytes
+from swap_pass.runtime.host_pool import BOUND_FACTOR, HostBufferPool, block_bytes
 from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 
 
@@ -243,3 +244,67 @@ def _pinned_by_the_allocator() -> int | None:
     if ACCELERATOR != "cuda":
         return None
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+# --- changing sizes: one bucket per block, a default bound (Notes in host_pool.py) -----------
+
+
+def _one_step(pool, nbytes: int, buffers: int = 4) -> list[int]:
+    """Take ``buffers`` buffers of ``nbytes`` at once, check their bytes, give them back; return
+    their data pointers."""
+    bufs = [pool.acquire(nbytes, pin=False) for _ in range(buffers)]
+    for i, buf in enumerate(bufs):
+        assert buf.dtype == torch.uint8 and buf.shape == (nbytes,)
+        buf.fill_(i)
+    ptrs = [buf.data_ptr() for buf in bufs]
+    for i, buf in enumerate(bufs):
+        assert torch.equal(buf, torch.full((nbytes,), i, dtype=torch.uint8))
+        pool.release(buf)
+    return ptrs
+
+
+def test_sizes_of_one_block_share_its_buffers(monkeypatch) -> None:
+    """Where the allocator rounds (pinned blocks; rounding forced here on pageable ones), every
+    size up to a block reuses the same cached blocks: no fresh buffer for a new length."""
+    monkeypatch.setattr(sys.modules["swap_pass.runtime.host_pool"], "block_bytes",
+                        lambda nbytes, pinned: 1 << max(nbytes - 1, 0).bit_length())
+    pool = HostBufferPool()
+    first = _one_step(pool, 1000)
+    assert pool.bytes_reserved == 4 * 1024 and pool.gauges()["host_allocations"] == 4
+    for nbytes in (600, 700, 513, 1024):
+        assert sorted(_one_step(pool, nbytes)) == sorted(first)
+    assert pool.gauges()["host_allocations"] == 4 and pool.bytes_reserved == 4 * 1024
+    like = torch.empty(10, 20, dtype=torch.float32)  # 800 bytes, in a 1024-byte block
+    buf, _ = pool.take(like.nbytes, pin=False, like=like)
+    assert (buf.shape, buf.dtype, buf.data_ptr() in first) == (like.shape, like.dtype, True)
+    pool.release(buf)
+    pool.clear()
+    assert pool.bytes_reserved == 0
+
+
+def test_the_pool_is_bounded_without_a_cap() -> None:
+    """Eight sizes, each a step of four buffers: the pool keeps at most twice the most bytes it
+    had in use at once, where it used to keep every size it ever saw."""
+    pool = HostBufferPool()
+    sizes = [1000 + 100 * i for i in range(8)]
+    for nbytes in sizes:
+        _one_step(pool, nbytes)
+        assert pool.bytes_reserved <= pool.bound_bytes == BOUND_FACTOR * 4 * nbytes
+    assert pool.bytes_reserved <= 2 * 4 * sizes[-1] < 4 * sum(sizes)
+    again = pool.gauges()["host_allocations"]
+    _one_step(pool, sizes[-1])  # the last size is still cached
+    assert pool.gauges()["host_allocations"] == again
+    pool.clear()
+    assert (pool.bytes_reserved, pool.bound_bytes) == (0, 0)
+
+
+def test_swap_stats_reports_the_bound() -> None:
+    swap_pass.reset()
+    group = SwapTensors([torch.randn(250)])  # 1000 bytes
+    group.swap_to_host()
+    group.wait_d2h()
+    assert swap_pass.swap_stats().host_pool_bound_bytes == BOUND_FACTOR * 1000
+    group.swap_to_device()
+    group.wait_h2d()
+    swap_pass.reset()
+    assert swap_pass.swap_stats().host_pool_bound_bytes == 0
