@@ -18,8 +18,10 @@ or between the backward's start and its first reader) is never chosen. Compute t
 matmul-class FLOPs of each node (``torch.utils.flop_counter``) over the device's FLOP rate; copy
 time is bytes over the host link bandwidth (:mod:`swap_pass.memory_model`'s formulas, which
 ``swap-pass plan`` and SmartSwap's simulator use too). Both rates are measured on the graph's
-device when not given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls
-(see Note: [Throughput probe]).
+device when not given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls,
+by :mod:`swap_pass.cost_probes`: on real tensors although the partitioner runs under the
+compiler's fake mode, once per device and dtype in a process (see Note: [Throughput probe],
+Note: [Probes run on real tensors] and Note: [Measured rates] there).
 
 Note: [Greedy choice]
 At each round the point of the predicted peak is found; among the tensors whose freed interval
@@ -37,9 +39,12 @@ import dataclasses
 import torch
 from torch import fx
 
+from swap_pass.cost_probes import PROBE_SIDE, copy_bandwidth, flop_rate, measure_flops, probe_side
 from swap_pass.memory_model import compute_seconds, copy_seconds, tensor_bytes
 
-__all__ = ["Budget", "CostModel", "SwapChoice", "choose_swaps"]
+# Re-exported: the throughput probe lived here before (now in swap_pass.cost_probes).
+__all__ = ["PROBE_SIDE", "Budget", "CostModel", "SwapChoice", "choose_swaps", "measure_flops",
+           "probe_side"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +55,11 @@ class CostModel:
         copy_bytes_per_s: Host link bandwidth in bytes/s; measured on the graph's device when
             ``None``. Default: ``None``.
         flops_per_s: Achieved matmul FLOP/s; measured on the graph's device, with the dtype of
-            its matmuls, when ``None`` (see Note: [Throughput probe]). Default: ``None``.
+            its matmuls, when ``None`` (see Note: [Throughput probe] in
+            :mod:`swap_pass.cost_probes`). Default: ``None``.
+
+    What is given is never measured: with both rates, no probe runs. What is measured is
+    measured once per device (and dtype) in a process (Note: [Measured rates]).
     """
 
     copy_bytes_per_s: float | None = None
@@ -64,61 +73,20 @@ class CostModel:
                                  "It must be None or a number > 0.")
 
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> CostModel:
-        """This model with the missing figures measured on ``device``.
+        """This model with the missing figures measured on ``device`` (real tensors, once per
+        device and dtype in a process: :func:`swap_pass.cost_probes.copy_bandwidth`,
+        :func:`swap_pass.cost_probes.flop_rate`).
 
         Args:
             device: The graph's device.
             dtype: The dtype of the graph's matmuls. Default: ``None`` (the FLOP rate stays
                 unmeasured until :func:`choose_swaps` reads the dtype from the graph).
         """
-        from swap_pass.smart.bandwidth import measure_copy_bandwidth
-
-        copy = self.copy_bytes_per_s or measure_copy_bandwidth(device)
+        copy = self.copy_bytes_per_s or copy_bandwidth(device)
         flops = self.flops_per_s
         if flops is None and dtype is not None:
-            flops = measure_flops(device, dtype)
+            flops = flop_rate(device, dtype)
         return CostModel(copy, flops)
-
-
-# Note: [Throughput probe]
-# The budget compares compute time with copy time, so the FLOP rate must be the one the graph
-# gets. A 512x512 fp32 matmul measures launch latency and fp32 on an accelerator: an H200 in
-# bf16 is 30-100x faster than it suggests, and budget mode would then count on compute windows
-# that are not there. So the probe multiplies two square matrices of the dtype of the graph's
-# matmuls (a bf16 model gets tensor-core bf16), of a side that reaches the device's peak
-# (4096 on an accelerator: 137 GFLOP, a fraction of a millisecond; 96 MiB in bf16), once to
-# warm up and then the best of three, timed with events on the accelerator's stream (host time
-# would be the enqueue). On CPU 512 keeps the probe short (about 10 ms in fp32 on two cores).
-
-PROBE_SIDE = {"cpu": 512, "accelerator": 4096}
-
-
-def probe_side(device: torch.device) -> int:
-    """The side of the square matmul the FLOP rate probe times on ``device``."""
-    from swap_pass.runtime.device import is_async_device
-
-    return PROBE_SIDE["accelerator" if is_async_device(device) else "cpu"]
-
-
-def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                  n: int | None = None, repeats: int = 3) -> float:
-    """Achieved matmul FLOP/s on ``device`` in ``dtype`` (see Note: [Throughput probe]).
-
-    Args:
-        device: Where the probe runs.
-        dtype: The matmuls' dtype (not a floating dtype: ``float32``). Default: ``float32``.
-        n: The side of the square matrices. Default: ``None`` (:func:`probe_side`).
-        repeats: Timed runs after one warm-up; the best counts. Default: ``3``.
-    """
-    from swap_pass.smart.bandwidth import time_on_device
-
-    n = n or probe_side(device)
-    dtype = dtype if dtype.is_floating_point else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    time_on_device(lambda: a @ b, device)  # library set-up, kernel choice
-    best = min(time_on_device(lambda: a @ b, device) for _ in range(repeats))
-    return 2 * n**3 / max(best, 1e-9)
 
 
 def matmul_dtype(gm: fx.GraphModule) -> torch.dtype | None:
@@ -385,13 +353,13 @@ def choose_swaps(fw: fx.GraphModule, bw: fx.GraphModule, candidates: list[tuple[
 def _with_flops(fw: fx.GraphModule, bw: fx.GraphModule,
                 candidates: list[tuple[fx.Node, int]], cost: CostModel) -> CostModel:
     """``cost`` with its FLOP rate measured, if missing, on the candidates' device in the
-    dtype of the graphs' matmuls (see Note: [Throughput probe])."""
+    dtype of the graphs' matmuls (see Note: [Throughput probe] in :mod:`swap_pass.cost_probes`)."""
     if cost.flops_per_s is not None:
         return cost
     vals = (n.meta.get("val") for n, _ in candidates)
     device = next((v.device for v in vals if isinstance(v, torch.Tensor)), torch.device("cpu"))
     dtype = matmul_dtype(fw) or matmul_dtype(bw) or torch.float32
-    return CostModel(cost.copy_bytes_per_s, measure_flops(device, dtype))
+    return CostModel(cost.copy_bytes_per_s, flop_rate(device, dtype))
 
 
 def _gain(tl: _Timeline, choice: SwapChoice, chosen: dict, at: int) -> int:

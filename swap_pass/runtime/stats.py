@@ -173,6 +173,12 @@ def record_skip(reason: str, nbytes: int) -> None:
             _counts[legacy] += nbytes
 
 
+def bytes_copied() -> int:
+    """Bytes copied so far, device to host and back (two reads without the lock: SmartSwap's
+    copy clock reads it around each copy call; see Note: [One timed copy a step])."""
+    return _counts["swapped_out_bytes"] + _counts["swapped_in_bytes"]
+
+
 def snapshot() -> SwapStats:
     """Return a copy of the counters."""
     host = _host_gauges()

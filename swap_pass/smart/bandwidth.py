@@ -1,24 +1,28 @@
-"""How long copies and kernels take on the device they run on: the copy bandwidth probe of
-SmartSwap's simulator and the graph's budget mode, and the clock of SmartSwap's copy time.
+"""SmartSwap's copy clock; the timing and copy bandwidth probes it shares with budget mode.
 
-Note: [Timing on the device]
-On CPU a copy or a matmul is synchronous: the host time of the call is the work's time. On an
-accelerator the call only enqueues the work, so the host time is the enqueue (microseconds)
-whatever the work costs. There the work is timed by two timing events on its stream
-(``torch.Event(enable_timing=True)``), one recorded before it and one after, read with
-``elapsed_time`` once the second completed. :class:`Timing` names the two methods,
-:func:`timing_for` picks the device's.
+:class:`CopyClock` counts the seconds SmartSwap's copies take in a step. The clock it reads
+(:class:`Timing`, :func:`timing_for`, :func:`time_on_device`) and the bandwidth probe
+(:func:`measure_copy_bandwidth`) live in :mod:`swap_pass.cost_probes`, which budget mode reads
+too (see Note: [Timing on the device] there); they are importable from here as before.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-from swap_pass.runtime.device import device_streams, is_async_device
+from swap_pass.cost_probes import (
+    Timing,
+    check_events,
+    measure_copy_bandwidth,
+    start_events,
+    time_on_device,
+    timing_for,
+)
+from swap_pass.runtime import stats
+from swap_pass.runtime.device import device_streams
 from swap_pass.smart.profiler import now
 
 __all__ = ["CopyClock", "Timing", "measure_copy_bandwidth", "time_on_device", "timing_for"]
@@ -26,80 +30,34 @@ __all__ = ["CopyClock", "Timing", "measure_copy_bandwidth", "time_on_device", "t
 T = TypeVar("T")
 
 
-class Timing(str, enum.Enum):
-    """How work is timed (see Note: [Timing on the device])."""
-
-    HOST = "host"  # the call's host time: CPU work is synchronous
-    EVENTS = "events"  # timing events on the work's stream, around the work
-
-
-def timing_for(device: torch.device | str) -> Timing:
-    """The method that times work on ``device``: events on an accelerator, else host time."""
-    return Timing.EVENTS if is_async_device(device) else Timing.HOST
-
-
-def _check_events(timing: Timing, stream: torch.Stream | None, api: str) -> None:
-    if timing is Timing.EVENTS and stream is None:
-        raise ValueError(
-            f"swap_pass.{api}: timing={timing.value!r} got no stream (a CPU device). Events "
-            "time work on an accelerator's stream; CPU work is timed with Timing.HOST.")
-
-
-def _start_events(stream: torch.Stream) -> tuple[torch.Event, torch.Event]:
-    """Timing events for work about to be queued on ``stream``; the first one recorded.
-
-    ``stream`` first waits for the current stream, as the copies it times do before they
-    start, so that the interval holds the work and not that wait.
-    """
-    current = torch.accelerator.current_stream(stream.device)
-    if stream != current:
-        ready = torch.Event(device=stream.device)
-        ready.record(current)
-        stream.wait_event(ready)
-    start = torch.Event(device=stream.device, enable_timing=True)
-    end = torch.Event(device=stream.device, enable_timing=True)
-    start.record(stream)
-    return start, end
-
-
-def time_on_device(fn: Callable[[], object], device: torch.device | str,
-                   timing: Timing | None = None) -> float:
-    """Seconds ``fn``'s work on ``device`` takes, waiting for it to complete.
-
-    Args:
-        fn: Queues the work on ``device``'s current stream.
-        device: Where the work runs.
-        timing: How to time it. Default: ``None`` (:func:`timing_for` ``device``).
-
-    Raises:
-        ValueError: ``Timing.EVENTS`` on a CPU device.
-    """
-    timing = timing_for(device) if timing is None else timing
-    if timing is Timing.HOST:
-        t0 = now()
-        fn()
-        return now() - t0
-    stream = torch.accelerator.current_stream(device) if is_async_device(device) else None
-    _check_events(timing, stream, "time_on_device")
-    start, end = _start_events(stream)
-    fn()
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+# Note: [One timed copy a step]
+# Reading a pair of timing events costs little on CUDA, but torch_npu's ``elapsed_time`` flushes
+# every task queue and synchronizes both events: a host stall per call. Timing every copy of a
+# step would stall once per swapped tensor. So on an accelerator the clock brackets only the
+# first copy call of each period (from one :meth:`CopyClock.seconds` to the next, a step) that
+# moves bytes, and counts the bytes of every other call (the runtime's swap counters around
+# it). :meth:`CopyClock.seconds` reads the one pair and scales: the sampled copy's seconds per
+# byte times every byte copied in the period. One ``elapsed_time`` per step, read once the
+# sampled copy completed (a steady-state step never waits for it: it is read at a later step).
+# Copies of one step are layer inputs of one size on one link, so the sample's rate stands
+# for the others; the copy time is a planning figure, not a measurement of each copy.
 
 
 class CopyClock:
     """Seconds SmartSwap's copies take in a step, timed as :class:`Timing` says.
 
     ``Timing.HOST`` adds the host time of each call (CPU copies are synchronous: the call is
-    the copy). ``Timing.EVENTS`` brackets the copy on its side stream with timing events and
-    reads them in :meth:`seconds` (see Note: [Timing on the device]): the copy's own time,
-    not the microseconds its enqueue takes.
+    the copy). ``Timing.EVENTS`` brackets one copy call a step on its side stream with timing
+    events, counts the bytes of the others, and reads the pair in :meth:`seconds` (see Note:
+    [One timed copy a step], Note: [Timing on the device] in :mod:`swap_pass.cost_probes`): the
+    copies' own time, not the microseconds their enqueue takes.
     """
 
     def __init__(self) -> None:
         self._seconds = 0.0
-        self._pending: list[tuple[torch.Event, torch.Event]] = []
+        # the sampled call: its events and bytes (None: none yet this period)
+        self._sample: tuple[torch.Event, torch.Event, int] | None = None
+        self._other_bytes = 0  # bytes of the period's calls not sampled
 
     def time(self, fn: Callable[[], T], timing: Timing,
              stream: torch.Stream | None = None) -> T:
@@ -119,13 +77,21 @@ class CopyClock:
                 return fn()
             finally:
                 self._seconds += now() - t0
-        _check_events(timing, stream, "CopyClock")
-        start, end = _start_events(stream)
+        check_events(timing, stream, "CopyClock")
+        before = stats.bytes_copied()
+        if self._sample is not None:  # this period's copy is sampled already
+            try:
+                return fn()
+            finally:
+                self._other_bytes += stats.bytes_copied() - before
+        start, end = start_events(stream)
         try:
             return fn()
         finally:
             end.record(stream)
-            self._pending.append((start, end))
+            nbytes = stats.bytes_copied() - before
+            if nbytes > 0:  # a call that copied nothing times nothing
+                self._sample = (start, end, nbytes)
 
     def time_copies(self, fn: Callable[[], T], device: torch.device | None, *, to_host: bool,
                     use_streams: bool = True) -> T:
@@ -144,31 +110,21 @@ class CopyClock:
         return self.time(fn, timing, streams.d2h_stream() if to_host else streams.h2d_stream())
 
     def seconds(self, wait: bool = True) -> float:
-        """Seconds counted so far.
+        """Seconds counted so far; ends the period whose copy was sampled.
 
         Args:
-            wait: Wait for copies timed with events that are still running. Without it they
-                are left out until a later call finds them finished: the steady state never
-                waits for the device. Default: ``True``.
+            wait: Wait for the sampled copy if it is still running. Without it, a copy still
+                running leaves the period open (its bytes are counted once a later call finds
+                it finished): the steady state never waits for the device. Default: ``True``.
         """
-        running = []
-        for start, end in self._pending:
-            if wait:
-                end.synchronize()
-            elif not end.query():
-                running.append((start, end))
-                continue
-            self._seconds += start.elapsed_time(end) / 1e3
-        self._pending = running
+        if self._sample is None:
+            return self._seconds
+        start, end, nbytes = self._sample
+        if wait:
+            end.synchronize()
+        elif not end.query():
+            return self._seconds
+        per_byte = start.elapsed_time(end) / 1e3 / nbytes  # the period's one elapsed_time
+        self._seconds += per_byte * (nbytes + self._other_bytes)
+        self._sample, self._other_bytes = None, 0
         return self._seconds
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 16 << 20, repeats: int = 3) -> float:
-    """Device-to-host copy bandwidth in bytes/s, timed on ``device`` (best of ``repeats``;
-    see Note: [Timing on the device])."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    pinned = is_async_device(device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    best = min(time_on_device(lambda: dst.copy_(src, non_blocking=pinned), device)
-               for _ in range(repeats))
-    return nbytes / max(best, 1e-9)

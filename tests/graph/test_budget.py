@@ -7,23 +7,13 @@ import warnings
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import swap_pass
 from swap_pass import make_swap_backend
 from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
 from swap_pass.bench.measure import profile_step, warm_step_peak
-from swap_pass.graph.budget import (
-    Budget,
-    CostModel,
-    choose_swaps,
-    matmul_dtype,
-    measure_flops,
-    probe_side,
-)
+from swap_pass.graph.budget import CostModel
 from swap_pass.runtime.ownership import byte_span
-from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 
 from .helpers import (
     PREFETCH_CHANGES_INDUCTOR_FUSION,
@@ -124,50 +114,7 @@ def test_measured_cost_model_is_positive():
     assert cost.copy_bytes_per_s > 0 and cost.flops_per_s > 0
 
 
-class _MatmulSpy(TorchDispatchMode):
-    """Records the dtype and shapes of every ``aten.mm`` that runs under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[torch.dtype, tuple, tuple]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.mm.default:
-            self.calls.append((args[0].dtype, tuple(args[0].shape), tuple(args[1].shape)))
-        return func(*args, **(kwargs or {}))
-
-
-def _bf16_graph() -> torch.fx.GraphModule:
-    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
-    return make_fx(lambda x, w: (x @ w).sin(), tracing_mode="fake")(x, w)
-
-
-def test_the_flops_probe_runs_in_the_graphs_matmul_dtype_at_the_probe_side():
-    """Note: [Throughput probe] in ``swap_pass/graph/budget.py``: a bf16 graph is planned with
-    the FLOP rate of bf16 matmuls, of the side chosen for the device."""
-    fw, bw = _bf16_graph(), _bf16_graph()
-    assert matmul_dtype(fw) is torch.bfloat16
-    n = probe_side(torch.device("cpu"))
-    with _MatmulSpy() as spy:
-        choose_swaps(fw, bw, [], Budget(1.0), CostModel(copy_bytes_per_s=1e12))
-    assert spy.calls == [(torch.bfloat16, (n, n), (n, n))] * 4  # one warm-up, three timed
-
-
-def test_a_given_flops_rate_is_not_measured():
-    fw, bw = _bf16_graph(), _bf16_graph()
-    with _MatmulSpy() as spy:
-        choose_swaps(fw, bw, [], Budget(1.0), FAST)
-    assert spy.calls == []
-
-
-@pytest.mark.skipif(not HAS_ACCELERATOR, reason=NO_ACCELERATOR_REASON)
-def test_the_flops_probe_on_an_accelerator_times_bf16_at_its_side():
-    device = torch.device(ACCELERATOR)
-    n = probe_side(device)
-    assert n == 4096
-    with _MatmulSpy() as spy:
-        flops = measure_flops(device, torch.bfloat16)
-    assert spy.calls == [(torch.bfloat16, (n, n), (n, n))] * 4 and flops > 0
+# The probes' dtype, side, real tensors and cache: tests/graph/test_budget_probes.py.
 
 
 # --- waits at their planned position ----------------------------------------------------------
