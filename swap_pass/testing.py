@@ -137,18 +137,22 @@ from collections.abc import Callable, Iterator
 import torch
 
 from swap_pass._test_accelerator import load_test_accelerator
+from swap_pass.device_syncs import DeviceSyncs, count_device_syncs, no_device_sync
 from swap_pass.runtime import device as _device
 from swap_pass.runtime.host_pool import host_pool
 
 __all__ = [
+    "DeviceSyncs",
     "FailureInjector",
     "InjectedFailure",
     "ModelEvent",
     "ModelStream",
     "StreamModel",
     "StreamRaceError",
+    "count_device_syncs",
     "inject_failures",
     "load_test_accelerator",
+    "no_device_sync",
     "poison_",
     "stream_model",
 ]

@@ -275,7 +275,10 @@ def memory_stats(device: int = 0) -> dict[str, int]:
     ``reserved_bytes``, ``fresh_blocks``, ``reused_blocks``, ``pending_blocks``; once they
     happened, ``unordered_reads`` (reads that got poison from the order check) and
     ``unordered_frees`` (blocks freed before their allocating stream was ordered after a queued
-    copy that used them)."""
+    copy that used them), ``host_syncs`` (times the host waited for the device: a device,
+    stream or event synchronize, a blocking copy to the host, ``.item()``) and
+    ``elapsed_time_calls`` (each a host stall on torch_npu, which the device stands in for);
+    ``swap_pass.testing.count_device_syncs`` reads the last two."""
     return dict(_loaded().memory_stats(device))
 
 

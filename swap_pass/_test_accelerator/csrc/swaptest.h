@@ -49,7 +49,10 @@ c10::Stream make_stream(int device, StreamId id);
 
 // Block until everything queued on the stream so far ran: a host synchronize, after which work
 // queued on any stream is ordered after it (unlike `drain`, the stream order of compute).
+// Counted in memory_stats()["host_syncs"], as are host_synced, event and device synchronizes.
 void host_sync(int device, StreamId stream);
+// host_sync without the count (the streams of one device synchronize).
+void wait_as_host(int device, StreamId stream);
 // The host waited for the task at `seq` of the stream (a blocking copy): as `host_sync` up to it.
 void host_synced(int device, StreamId stream, uint64_t seq);
 
