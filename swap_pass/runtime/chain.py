@@ -78,6 +78,7 @@ class LayerChain:
         self.by_tag = by_tag
         self.layers: list[SwapLayerInputManager] = []
         self.copying: list[tuple[SwapLayerInputManager, weakref.ref[SwapTensors]]] = []
+        self._copy_lock = threading.Lock()
         self.maybe_unguarded = False
         self.missed = 0
         self._retired: list[weakref.ref[SwapLayerInputManager]] = []
@@ -109,7 +110,8 @@ class LayerChain:
             if manager in self.layers:
                 self.layers.remove(manager)
             self._retired = [ref for ref in self._retired if ref() not in (None, manager)]
-            self.copying[:] = [entry for entry in self.copying if entry[0] is not manager]
+            with self._copy_lock:
+                self.copying[:] = [entry for entry in self.copying if entry[0] is not manager]
             manager._drop_place()
             self._renumber()
             if not self.layers and not self._retired and _by_tag.get(self.tag) is self:
@@ -153,12 +155,25 @@ class LayerChain:
 
     # --- copies in flight ---------------------------------------------------------------------
 
+    # Note: [Copies in flight across threads]
+    # Autograd runs a backward thread per device, so the guards of a model split across devices
+    # (HF device_map, accelerate's dispatch) note and scan one chain's ``copying`` at once, and
+    # a scan compacts the list in place: unguarded, an append racing a compaction is lost or
+    # lands in a slot being cut. ``_copy_lock`` orders them; it is held for a list's length of
+    # weakref reads, never across a copy or a wait.
+
     def note_copy(self, manager: SwapLayerInputManager, group: SwapTensors) -> None:
         """``manager`` started ``group``'s device-to-host copy."""
-        copying = self.copying
-        copying.append((manager, weakref.ref(group)))
-        if len(copying) > COMPACT_COPYING_AT:  # callers that never scan (FBOverlap): stay small
-            still_copying(copying, 0)
+        with self._copy_lock:  # Note: [Copies in flight across threads]
+            copying = self.copying
+            copying.append((manager, weakref.ref(group)))
+            if len(copying) > COMPACT_COPYING_AT:  # callers that never scan (FBOverlap)
+                still_copying(copying, 0)
+
+    def copying_before(self, before: int) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
+        """:func:`still_copying` on this chain's copies, under its lock."""
+        with self._copy_lock:  # Note: [Copies in flight across threads]
+            return still_copying(self.copying, before)
 
     # --- reset --------------------------------------------------------------------------------
 
@@ -171,7 +186,8 @@ class LayerChain:
                 manager._drop_place()
             self._retired = [*self._retired, *(weakref.ref(m) for m in self.layers)]
             self.layers = []
-            self.copying.clear()
+            with self._copy_lock:
+                self.copying.clear()
             self.maybe_unguarded = False
             self.missed = 0
 

@@ -33,7 +33,6 @@ from swap_pass.runtime.chain import (
     find_chain,
     layer_map,
     reset_chains,
-    still_copying,
 )
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.host_pool import block_bytes, preflight
@@ -238,10 +237,9 @@ class SwapLayerInputManager:
         Nearest layer first, each layer's groups in micro-batch order; empty when this manager
         is not registered.
         """
-        copying = self.chain.copying
-        if not copying or not self._in_map:
+        if not self.chain.copying or not self._in_map:
             return []
-        found = still_copying(copying, self.layer_idx)
+        found = self.chain.copying_before(self.layer_idx)
         if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
             found.sort(key=lambda entry: -entry[0].layer_idx)
         return found
