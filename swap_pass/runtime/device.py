@@ -34,6 +34,7 @@ __all__ = [
     "device_streams",
     "entry_compute_stream",
     "is_async_device",
+    "new_side_stream",
     "register_free_check",
 ]
 
@@ -166,7 +167,7 @@ class DeviceStreams:
         if not self.use_streams:
             return compute if compute is not None else self.compute_stream()
         if self._d2h is None:
-            self._d2h = torch.Stream(device=self.device)
+            self._d2h = new_side_stream(self.device)
         return self._d2h
 
     def h2d_stream(self, compute: torch.Stream | None = None) -> torch.Stream | None:
@@ -175,7 +176,7 @@ class DeviceStreams:
         if not self.use_streams:
             return compute if compute is not None else self.compute_stream()
         if self._h2d is None:
-            self._h2d = torch.Stream(device=self.device)
+            self._h2d = new_side_stream(self.device)
         return self._h2d
 
     def record_event(self, stream: torch.Stream | None) -> torch.Event | _NoEvent:
@@ -305,6 +306,36 @@ class DeviceStreams:
 # they come from another stream, where without it 9 frees per step raced their copy. Recording
 # only when needed would need the allocating stream, which PyTorch does not expose; a bounded
 # extra block or two is the price of never handing out a block a copy still reads.
+
+
+def new_side_stream(device: torch.device) -> torch.Stream:
+    """A new stream on ``device`` for the side-stream copies.
+
+    ``torch.Stream(device=...)``; where the backend cannot make one that way (older torch_npu
+    releases lack the device guard's ``getNewStream``), the device module's ``Stream``
+    (``torch.npu.Stream``).
+
+    Raises:
+        RuntimeError: Neither can make a stream; names the way out (a torch_npu paired with
+            this torch, or ``SwapConfig(use_streams=False)``).
+    """
+    try:
+        return torch.Stream(device=device)
+    except (RuntimeError, NotImplementedError) as exc:
+        generic = exc
+    make = getattr(getattr(torch, device.type, None), "Stream", None)
+    if make is not None:
+        try:
+            return make(device=device)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            generic = exc
+    raise RuntimeError(
+        f"swap_pass: cannot create a side stream on {device}: torch.Stream(device=...) raised "
+        f"({generic}) and torch.{device.type}.Stream "
+        f"{'does not exist' if make is None else 'failed too'}. Older torch_npu releases lack "
+        "the device guard's getNewStream: install the torch_npu release paired with this torch, "
+        "or set SwapConfig(use_streams=False) to copy on the compute stream (no overlap)."
+    ) from generic
 
 
 class _CppProfilerState:

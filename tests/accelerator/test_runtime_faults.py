@@ -111,3 +111,33 @@ def test_a_tensor_produced_on_another_stream_round_trips_exactly(dev) -> None:
     assert torch.equal(later.cpu(), torch.full((16 * N,), 7.0))
     assert torch.equal(x.cpu(), expected)
     assert device_knobs.memory_stats().get("unordered_frees", 0) == unordered
+
+
+def test_a_backend_without_generic_streams_falls_back_to_its_module_or_says_why(
+        dev, monkeypatch) -> None:
+    """Older torch_npu cannot make ``torch.Stream(device="npu")`` (no ``getNewStream``): the
+    device module's ``Stream`` is used instead, and where it is missing too the error names the
+    way out."""
+    from swap_pass.runtime.device import new_side_stream
+
+    real = torch.Stream
+    made = []
+
+    def module_stream(device):
+        made.append(device)
+        return real(device=device)
+
+    def no_generic_stream(*args, **kwargs):
+        raise RuntimeError("getNewStream is not implemented")
+
+    monkeypatch.setattr(torch, "Stream", no_generic_stream)
+    module = getattr(torch, device_knobs.DEVICE_TYPE)
+    monkeypatch.setattr(module, "Stream", module_stream, raising=False)
+    stream = new_side_stream(dev)
+    assert made == [dev] and isinstance(stream, real)
+    monkeypatch.delattr(module, "Stream")
+    with pytest.raises(RuntimeError, match=r"cannot create a side stream on swaptest:0: "
+                                           r"torch.Stream\(device=...\) raised \(getNewStream is "
+                                           r"not implemented\) and torch.swaptest.Stream does not "
+                                           r"exist.*SwapConfig\(use_streams=False\)"):
+        new_side_stream(dev)
