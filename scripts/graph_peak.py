@@ -27,6 +27,7 @@ import time
 
 import torch
 
+import swap_pass
 from swap_pass import make_swap_backend
 from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
 
@@ -73,6 +74,7 @@ def _row(args, row, x_bytes: int) -> dict:
     backend = make_swap_backend(args.inner, **options)
     t0 = time.time()
     peak, grads = _run(args, backend, checkpoint)
+    released = swap_pass.swap_stats().peak_device_bytes_released  # since the run's reset
     ref_peak, ref_grads = _run(args, args.inner, checkpoint)
     equal = all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
     diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -80,13 +82,15 @@ def _row(args, row, x_bytes: int) -> dict:
     print(f"{label}: peak {ref_peak / 2**20:.2f} -> {peak / 2**20:.2f} MiB "
           f"(x{peak / ref_peak:.3f}, cut {(ref_peak - peak) / 2**20:.2f} MiB = "
           f"{(ref_peak - peak) / x_bytes:.2f} layer inputs of {args.layers}); "
+          f"swap_stats().peak_device_bytes_released {released / 2**20:.2f} MiB; "
           f"grads bitwise equal: {equal} (max relative difference {diff:.1e}); "
           f"{time.time() - t0:.0f} s")
     summary = backend.partitions[-1].summary().splitlines()[0]
     print("  " + summary)
     return {"row": label, "options": {k: v for k, v in options.items()},
             "checkpoint": checkpoint, "peak_bytes": peak, "reference_peak_bytes": ref_peak,
-            "cut_layer_inputs": (ref_peak - peak) / x_bytes, "bitwise": equal,
+            "cut_layer_inputs": (ref_peak - peak) / x_bytes,
+            "peak_device_bytes_released": released, "bitwise": equal,
             "max_relative_difference": diff, "partition": summary}
 
 

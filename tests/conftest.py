@@ -88,3 +88,20 @@ def device(request) -> torch.device:
 @pytest.fixture(params=[True, False], ids=["streams", "no_streams"])
 def use_streams(request) -> bool:
     return request.param
+
+
+@pytest.fixture
+def deterministic():
+    """``torch.use_deterministic_algorithms(True)`` for one test (compile and run).
+
+    Inductor's CPU code for an embedding's backward adds rows into the weight gradient with
+    atomic adds from several threads, so the same compiled graph gives a gradient whose last bits
+    change from run to run. With deterministic algorithms Inductor calls ATen's serial
+    ``index_put_`` there instead, and a compile can be compared bitwise with another."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

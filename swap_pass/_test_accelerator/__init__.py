@@ -14,13 +14,20 @@ What the device models (2 devices, memory in host RAM):
   worker thread of its own; events record, wait, query, synchronize and time;
 * compute ops run through a CPU fallback on the calling thread, after the current stream's queue
   drained (so in stream order; compute itself is not asynchronous);
+* ``torch.compile`` with Inductor generates its C++ (CPU) kernels for the device (:mod:`.inductor`):
+  each kernel runs after a barrier that drains the current stream, checks its reads and notes its
+  writes, as the fallback does for an eager op (:func:`inductor_reason` says why not, where this
+  torch cannot);
 * the order is checked where timing cannot show it (:func:`set_order_check`, on by default): each
   stream and the host carry a vector clock (an event takes its stream's, a wait merges it into the
   waiting stream's, a host synchronize into the host's), each device block the position of its
   last write; a copy, or a compute op's read, that is not ordered after that write reads poison
   (``0xFF`` bytes), as a copy racing its producer may on a device, and is counted
   (``memory_stats()["unordered_reads"]``); a block freed while a queued copy that used it is not
-  ordered before its allocating stream is counted as ``unordered_frees``;
+  ordered before its allocating stream is counted as ``unordered_frees``; a write (a compute op,
+  an Inductor kernel, a copy) over a block that a queued copy on another stream still reads or
+  writes, not ordered after that copy, is counted as ``unordered_writes`` (what timing shows only
+  when the copy happens to run late);
 * copies on a side stream (host to device, device to host, device to device) are queued on that
   stream and start after a seeded delay (200-400 ms by default), or as soon as the host waits
   for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that waits
@@ -57,6 +64,7 @@ __all__ = [
     "delay_settings",
     "empty_cache",
     "fail_nth_resize",
+    "inductor_reason",
     "load_test_accelerator",
     "mark_not_resizable",
     "memory_stats",
@@ -173,6 +181,30 @@ def _register(ext: types.ModuleType) -> None:
     # cannot free] in swap_pass/runtime/device.py).
     register_free_check(DEVICE_TYPE, lambda t: _NOT_RESIZABLE if ext.is_marked_not_resizable(t)
                         else None)
+    _register_inductor(ext)
+
+
+# Why Inductor cannot generate code for the device in this process (None: it can).
+_inductor_unavailable: str | None = "the device is not loaded"
+
+
+def _register_inductor(ext: types.ModuleType) -> None:
+    """Inductor's C++ code generation for the device (:mod:`.inductor`); where this torch's
+    Inductor lacks an extension point it needs, the reason is kept for :func:`inductor_reason`."""
+    global _inductor_unavailable
+    from swap_pass._test_accelerator import inductor
+
+    try:
+        inductor.install(DEVICE_TYPE, ext.device_count(), ext.kernel_barrier)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _inductor_unavailable = f"Inductor cannot be registered for {DEVICE_TYPE} ({exc})"
+    else:
+        _inductor_unavailable = None
+
+
+def inductor_reason() -> str | None:
+    """Why ``torch.compile`` with Inductor cannot run on the device here; None when it can."""
+    return _inductor_unavailable
 
 
 _NOT_RESIZABLE = ("the test accelerator marks its storage not resizable "
@@ -273,12 +305,13 @@ def mark_not_resizable(tensor: torch.Tensor) -> None:
 def memory_stats(device: int = 0) -> dict[str, int]:
     """Device allocator counters: ``allocated_bytes``, ``peak_allocated_bytes``,
     ``reserved_bytes``, ``fresh_blocks``, ``reused_blocks``, ``pending_blocks``; once they
-    happened, ``unordered_reads`` (reads that got poison from the order check) and
+    happened, ``unordered_reads`` (reads that got poison from the order check),
     ``unordered_frees`` (blocks freed before their allocating stream was ordered after a queued
-    copy that used them), ``host_syncs`` (times the host waited for the device: a device,
-    stream or event synchronize, a blocking copy to the host, ``.item()``) and
-    ``elapsed_time_calls`` (each a host stall on torch_npu, which the device stands in for);
-    ``swap_pass.testing.count_device_syncs`` reads the last two."""
+    copy that used them), ``unordered_writes`` (writes over a block that a queued copy on
+    another stream still read or wrote, not ordered after it), ``host_syncs`` (times the host
+    waited for the device: a device, stream or event synchronize, a blocking copy to the host,
+    ``.item()``) and ``elapsed_time_calls`` (each a host stall on torch_npu, which the device
+    stands in for); ``swap_pass.testing.count_device_syncs`` reads the last two."""
     return dict(_loaded().memory_stats(device))
 
 

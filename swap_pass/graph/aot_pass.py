@@ -270,12 +270,30 @@ def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node
     return node
 
 
+# Note: [One buffer from swap_out to wait]
+# The D2H copy that swap_out starts reads x until the compute stream waits for it at
+# ``wait(h, keepalive=x)``, one layer later; the graph must hold x's buffer, and nobody may write
+# it, up to that wait. Under aot_eager x is one tensor and it does. Inductor lowers an
+# unrealized pointwise x (the residual add that makes a layer input) lazily: swap_out's stride
+# constraint (Note: [swap_out's input layout] in ops.py) realizes a private copy of x for the
+# op, and the wait's keepalive recomputes x into a second buffer. The copy's buffer then dies
+# right after swap_out (its finalizer orders compute after the D2H at once: no overlap, plus an
+# activation-sized extra buffer), or Inductor's memory planning hands it to a later kernel while
+# the D2H still reads it (``reinterpret_tensor(buf); del buf  # reuse``: on an asynchronous
+# device, a corrupted host copy). ``meta["inductor_realize_to_strides"]``, which Inductor's own
+# FX passes set on nodes that must be realized, makes Inductor realize x once, where it is made,
+# with its traced strides (what the constraint asks for, so swap_out takes that buffer as it is):
+# swap_out and the wait then read one buffer, whose last use is the wait. Other compilers ignore
+# the key.
+
+
 def _rewrite_forward(fw: fx.GraphModule, planned: list[_Planned], config: SwapConfig) -> None:
     graph, output = fw.graph, fw.graph.find_nodes(op="output")[0]
     cap = -1 if config.max_host_bytes is None else config.max_host_bytes
     replace = {}
     for p in planned:
         x = p.node
+        x.meta["inductor_realize_to_strides"] = True  # Note: [One buffer from swap_out to wait]
         with graph.inserting_after(_after_all(graph, [x])):
             host = graph.call_function(_OPS.swap_out.default,
                                        (x, cap, config.use_streams, config.pin_memory))

@@ -265,28 +265,6 @@ def _check_inner(inner: object) -> None:
 # --- the backend ------------------------------------------------------------------------------
 
 
-# Note: [The released counter under Inductor]
-# ``swap_stats().peak_device_bytes_released`` counts the device bytes of swapped tensors whose
-# storage was freed while their data was on the host: the graph ops see a source storage die.
-# Inductor's generated code often does not free a swapped buffer: it hands it to a later kernel's
-# output in place (buffer reuse), so the memory is reused, the step's peak falls, and the counter
-# sees nothing. Measured on HF Llama (6 layers, hidden 256, batch 4 x 256, no checkpointing): the
-# profiled whole-step peak fell 92.16 -> 87.16 MiB while the counter read 0. So under Inductor the
-# counter is a lower bound, said once per process; torch.accelerator.max_memory_allocated (or
-# ``swap-pass bench``) measures the saving.
-
-
-def _warn_released_under_inductor(where: str) -> None:
-    from swap_pass.runtime.skips import warn_once
-
-    warn_once("inductor_released", "",
-              f"swap_pass.{where}: under Inductor, swap_stats().peak_device_bytes_released is "
-              "a lower bound and may read 0 while the step's peak falls: Inductor reuses a "
-              "swapped buffer in place for a later kernel, which the counter cannot see. "
-              "Measure the saving with torch.accelerator.max_memory_allocated (or swap-pass "
-              "bench). (Shown once.)")
-
-
 def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: LayerFilter = None,
                       config: SwapConfig | None = None, memory_budget: int | float | None = None,
                       cost_model: CostModel | None = None,
@@ -342,12 +320,8 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
         _refuse_compiled_autograd()
         name_modules_as_the_model_does(gm)  # Note: [Module names in resumed frames]
         if inner == "inductor":
-            last = record[-1] if record else None
-            compiled = _compile_inductor(gm, example_inputs, partition,
-                                         _partitioner_uuid(layer_filter, config, budget, cost))
-            if record and record[-1] is not last and record[-1].swapped:
-                _warn_released_under_inductor(name)  # Note: [The released counter under Inductor]
-            return compiled
+            return _compile_inductor(gm, example_inputs, partition,
+                                     _partitioner_uuid(layer_filter, config, budget, cost))
         if inner == "aot_eager":
             from torch._dynamo.backends.debugging import boxed_nop
 

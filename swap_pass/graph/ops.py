@@ -45,7 +45,7 @@ from torch.fx.node import has_side_effect
 
 from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import register_reset_hook, stats
-from swap_pass.runtime.device import DeviceStreams, device_streams
+from swap_pass.runtime.device import DeviceStreams, device_streams, is_async_device
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.runtime.ownership import byte_span
 from swap_pass.runtime.skips import SkipReason, record_skip
@@ -76,6 +76,10 @@ class _Transfer:
     compute: torch.Stream | None = None
     release: torch.Tensor | None = None
     ordered: bool = False  # compute waited on event: Note: [Sources that die unwaited]
+    # swap_out: the data pointer of the storage its copy reads, and whether that storage died
+    # (Note: [The keepalive is the copy's source])
+    source: int = 0
+    source_died: bool = False
 
 
 _lock = threading.RLock()  # finalizers may run during GC inside a locked section
@@ -167,6 +171,7 @@ def _output_died(key: int, transfer: _Transfer) -> None:
 def _source_died_unwaited(transfer: _Transfer) -> None:
     """A swapped-out tensor died before its ``wait``: order its allocating stream after the copy
     that may still read it (Note: [Sources that die unwaited])."""
+    transfer.source_died = True  # Note: [The keepalive is the copy's source]
     if not transfer.ordered:
         _order_compute_after(transfer)
 
@@ -360,7 +365,8 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     ds.wait(stream, ready)
     ds.wait(stream, last_copy)  # the buffer's last copy, if still running
     ds.copy(stream, host if src is x else buf, src, pinned=pin)
-    transfer = _Transfer(ds.record_event(stream), x.device, use_streams, compute)
+    transfer = _Transfer(ds.record_event(stream), x.device, use_streams, compute,
+                         source=x.untyped_storage().data_ptr())
     with _lock:
         _transfers[host.data_ptr()] = transfer
     weakref.finalize(x.untyped_storage(), _source_died_unwaited, transfer)
@@ -483,9 +489,47 @@ def _wait_for(t: torch.Tensor) -> None:
         host_pool().release_when_unread(transfer.release, transfer.event)  # goes with it
 
 
+# Note: [The keepalive is the copy's source]
+# ``wait(h, keepalive=x)`` must receive the very tensor whose storage swap_out's copy reads: the
+# graph holding it up to the wait is what keeps its memory from being freed or handed to another
+# kernel while the copy runs (Note: [One buffer from swap_out to wait] in aot_pass.py). A
+# compiler that materializes x twice passes the wait a second buffer and drops the first right
+# after swap_out: freed, the compute stream waits for the copy at once (no overlap); reused in
+# place for a later kernel's output, that kernel may write it under the copy, and the host copy
+# is wrong on an asynchronous device. The wait compares the keepalive's storage with the one the
+# copy read: the same storage is alive (its finalizer has not run) and the keepalive's data
+# pointer is the one the copy read (a data pointer alone could be a new buffer at a freed
+# address). Where they differ on a device with streams it raises (the host copy may be corrupt,
+# and no step may go on with it); on CPU, whose copies completed inside swap_out, it warns once.
+
+
+def _check_keepalive(t: torch.Tensor, keepalive: torch.Tensor) -> None:
+    """Raise or warn if ``keepalive`` is not the storage ``t``'s copy reads (see the Note)."""
+    with _lock:
+        transfer = _transfers.get(t.data_ptr())
+    if (transfer is None or not transfer.source or (
+            not transfer.source_died
+            and keepalive.untyped_storage().data_ptr() == transfer.source)):
+        return
+    what = ("swap_pass::wait: the tensor this graph keeps alive up to the wait is not the one "
+            "swap_out copied (the compiler materialized it twice), so the copy's source could "
+            "be freed or written while the copy runs")
+    fix = ("Compile with make_swap_backend(inner='aot_eager') or swap_pass.compile_layers, and "
+           "report the torch version and the inner compiler.")
+    if is_async_device(transfer.device):
+        raise RuntimeError(f"{what}; on {transfer.device} the host copy may be corrupt. {fix}")
+    from swap_pass.runtime.skips import warn_once
+
+    warn_once("keepalive_not_source", "",
+              f"{what} (harmless on CPU, where the copy completed inside swap_out; on an "
+              f"accelerator the step would stop here). {fix} (Shown once.)")
+
+
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
 def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None,
                after: torch.Tensor | None = None) -> torch.Tensor:
+    if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
+        _check_keepalive(t, keepalive)  # a swap_out's host copy
     _wait_for(t)
     if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
         _watch_source(t, keepalive)  # a swap_out's host copy (Note: [Compiled frees])

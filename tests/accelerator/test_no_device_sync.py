@@ -19,6 +19,7 @@ import torch
 
 import swap_pass
 from swap_pass import SmartSwap, SmartSwapConfig, SwapConfig
+from swap_pass import _test_accelerator as device_knobs
 from swap_pass.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
 from swap_pass.testing import count_device_syncs, no_device_sync
 
@@ -145,6 +146,11 @@ class Way:
         self.ref.zero_grad(set_to_none=True)
 
 
+def _order_counters() -> dict[str, int]:
+    stats = device_knobs.memory_stats()
+    return {k: stats.get(k, 0) for k in ("unordered_reads", "unordered_writes", "unordered_frees")}
+
+
 WAYS = ["enable", "decorators", "apply_swap_pass", "swap_backend", "compile_layers", "smartswap"]
 
 
@@ -170,6 +176,7 @@ def test_a_steady_step_never_waits_for_the_device(way, cap, lengths, dev) -> Non
                     w.check(w.run(inputs), inputs)
                     w.end_step()
             outs_before = swap_pass.swap_stats().swap_outs
+            order_before = _order_counters()
             for inputs in batches:
                 with no_device_sync(dev, f"a steady {way} step (lengths {lengths}, cap {cap})"):
                     loss = w.run(inputs)
@@ -180,6 +187,7 @@ def test_a_steady_step_never_waits_for_the_device(way, cap, lengths, dev) -> Non
                 assert between.calls.get("elapsed_time_calls", 0) <= 1, between.calls
                 w.check(loss, inputs)
             assert swap_pass.swap_stats().swap_outs > outs_before  # the steps did swap
+            assert _order_counters() == order_before  # nothing read, wrote or freed unordered
             if way == "smartswap":
                 assert w.smart.stage.value == "stable"
             if cap is not None:

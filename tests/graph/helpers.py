@@ -129,12 +129,27 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def skip_inductor_on_the_test_accelerator(device: torch.device) -> None:
-    """Skip an Inductor test on the test accelerator: Inductor has no code generator for it
-    (its compute runs through a CPU fallback, op by op)."""
+    """Skip an Inductor test on the test accelerator where this torch's Inductor cannot be
+    registered for it (``swap_pass._test_accelerator.inductor_reason()``); it runs there
+    otherwise, with Inductor's C++ kernels in stream order."""
     import pytest
 
-    from swap_pass._test_accelerator import DEVICE_TYPE
+    from swap_pass._test_accelerator import DEVICE_TYPE, inductor_reason
 
-    if device.type == DEVICE_TYPE:
-        pytest.skip(f"Inductor cannot generate code for the test accelerator ({DEVICE_TYPE}); "
-                    "the aot_eager tests run there instead")
+    if device.type == DEVICE_TYPE and inductor_reason() is not None:
+        pytest.skip(f"{inductor_reason()}; the aot_eager tests run there instead")
+
+
+def swap_out_sources_died():
+    """Record, for every ``swap_out`` source that dies, whether its ``wait`` had run by then
+    (the compute stream ordered after its copy): a list of bools that fills as sources die."""
+    import swap_pass.graph.ops as ops
+
+    deaths: list[bool] = []
+    original = ops._source_died_unwaited
+
+    def died(transfer) -> None:
+        deaths.append(transfer.ordered)
+        original(transfer)
+
+    return deaths, died

@@ -109,8 +109,19 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     return_to_pool(block);
   }
 
+  // A write over a block that a queued copy on another stream still reads or writes, not
+  // ordered after that copy (write-after-read, write-after-write): on a device the copy may
+  // read the new data or overwrite it. Counted as unordered_writes; timing alone shows it only
+  // when the copy happens to run late.
   void note_write(Block* block, const Position& at) {
     std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& use : block->copies) {
+      if (use.device == at.device && use.stream == at.stream) continue;
+      if (!is_ordered(use, at.device, at.stream)) {
+        counters_[at.device]["unordered_writes"]++;
+        break;
+      }
+    }
     block->last_write = at;
   }
 

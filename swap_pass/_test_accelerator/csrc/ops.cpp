@@ -212,6 +212,34 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
 
+// --- Inductor's C++ kernels -------------------------------------------------------------------
+
+// Inductor's C++ kernels for the device (swap_pass/_test_accelerator/inductor.py) read and write
+// device memory directly, outside the dispatcher. The generated code calls this before each one
+// with the kernel's pointer arguments by role (a const pointer is read, any other written): it
+// does for the kernel what the CPU fallback does for an eager op. The kernel runs in the order of
+// each argument's current stream (drained first), a read not ordered after its block's last write
+// gets poison in place and is counted, and every written block's last write is here.
+void kernel_barrier(const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes) {
+  for (const auto* group : {&reads, &writes}) {
+    for (const auto& t : *group) {
+      if (t.device().type() == kDevice) drain(device_index(t), current_stream_id(device_index(t)));
+    }
+  }
+  for (const auto& t : reads) {
+    if (t.device().type() != kDevice || t.storage().nbytes() == 0) continue;
+    const int dev = device_index(t);
+    if (!read_is_ordered(t, dev, current_stream_id(dev))) {
+      std::memset(t.storage().mutable_data(), kPoison, t.storage().nbytes());
+    }
+  }
+  for (const auto& t : writes) {
+    if (t.device().type() != kDevice || t.storage().nbytes() == 0) continue;
+    const int dev = device_index(t);
+    note_write(t.storage(), mark(dev, current_stream_id(dev)));
+  }
+}
+
 }  // namespace
 }  // namespace swaptest
 
@@ -261,6 +289,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pinned_stats", &pinned_stats);
   m.def("empty_cache", &empty_device_cache);
   m.def("empty_pinned_cache", &empty_pinned_cache);
+  m.def("kernel_barrier", &kernel_barrier, py::arg("reads"), py::arg("writes"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("synchronize", [](int device) {
     py::gil_scoped_release no_gil;
     if (device < 0) drain_all(); else drain_device(device);
