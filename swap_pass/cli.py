@@ -227,6 +227,8 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                        host_rows=not args.no_host_rows, threads=args.threads,
                        progress=lambda label: print(f"... {label}", file=sys.stderr, flush=True))
     print(format_report(report))
+    for line in _planned_rates():
+        print(line)
     if not args.json and not args.plot:
         print("(--json PATH writes this report as JSON, with the memory plot beside it; "
               "--plot PATH writes the plot alone)")
@@ -357,3 +359,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"swap-pass {args.command}: {err}", file=sys.stderr)
         return 2
+
+
+def _planned_rates() -> list[str]:
+    """The rates budget mode planned with in this run (measured once per device and dtype),
+    one line each; none where no row used budget mode."""
+    from swap_pass.cost_probes import measured_rates
+
+    lines = []
+    for (what, device, dtype, threads), rate in sorted(measured_rates().items(), key=str):
+        where = f"{device}" + (f", {threads} CPU threads" if threads else "")
+        if what == "copy":
+            lines.append(f"budget mode planned with: device-to-host copy {rate / 1e9:.2f} GB/s "
+                         f"({where})")
+        else:
+            dtype_name = str(dtype).removeprefix("torch.")
+            lines.append(f"budget mode planned with: {dtype_name} matmul "
+                         f"{rate / 1e12:.3f} TFLOP/s ({where})")
+    return lines

@@ -22,6 +22,7 @@ from swap_pass import SmartSwap, SmartSwapConfig, SwapConfig
 from swap_pass import _test_accelerator as device_knobs
 from swap_pass.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
 from swap_pass.testing import count_device_syncs, no_device_sync
+from tests.graph.helpers import TraceableLlama
 
 from .conftest import needs_test_accelerator
 
@@ -49,23 +50,6 @@ class DecoratedLayer(LlamaDecoderLayer):
     @swap_pass.swap_layer_input_forward_wrapper
     def forward(self, hidden_states, cos, sin):
         return super().forward(hidden_states, cos, sin)
-
-
-class TraceableLlama(torch.nn.Module):
-    """``LlamaStyleModel`` with the rotary tables as inputs, for ``symbolic_trace``."""
-
-    def __init__(self, model: LlamaStyleModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, cos, sin, labels):
-        m = self.model
-        h = m.embed(input_ids)
-        for layer in m.layers:
-            h = layer(h, cos, sin)
-        logits = m.lm_head(m.norm(h)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
-                                                 labels.reshape(-1))
 
 
 def _model(dev, recompute: bool = True, layer_cls=None) -> LlamaStyleModel:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import re
 import warnings
 
 import pytest
@@ -474,3 +475,27 @@ def test_bench_says_where_it_can_write_and_each_phase_it_starts(capsys, monkeypa
     assert "... no swap" in captured.err
     assert "... host CPU time per layer" in captured.err
     assert "--json PATH writes this report as JSON" in captured.out
+
+
+def test_bench_prints_the_rates_budget_mode_planned_with(capsys, monkeypatch):
+    """Budget mode measures its copy and FLOP rates on the device (once per process); the bench
+    says which it planned with, beside the rows."""
+    import swap_pass.bench.run as bench_run
+    from swap_pass import cost_probes
+
+    monkeypatch.setattr(bench_run, "host_cost_rows",
+                        lambda: {"status": "skipped", "reason": "not measured here"})
+    cost_probes.clear_measured_rates()
+    argv = ["bench", "--preset", "tiny", "--layers", "2", "--seq", "32", "--batch", "1",
+            "--steps", "1", "--warmup", "1", "--device", "cpu", "--methods", "compile_budget",
+            "--no-smart-rows", "--compile-inner", "aot_eager"]
+    try:
+        assert main(argv) == 0
+    finally:
+        rates = cost_probes.measured_rates()
+        cost_probes.clear_measured_rates()
+    out = capsys.readouterr().out
+    assert {what for what, *_ in rates} == {"copy", "flops"}
+    assert re.search(r"budget mode planned with: device-to-host copy [0-9.]+ GB/s \(cpu, \d+ CPU "
+                     r"threads\)", out), out
+    assert re.search(r"budget mode planned with: float32 matmul [0-9.]+ TFLOP/s \(cpu, ", out), out
