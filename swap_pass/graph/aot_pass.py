@@ -151,11 +151,57 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
         x = _saved_base(layer.input, saved)
         nbytes = _swappable_bytes(x, saved, user_outputs, config)
         if nbytes is None:
+            _count_kept(x, saved, user_outputs, config, layer.boundary.fqn)
             continue
         anchor = [nxt.input] if nxt is not None and nxt.input is not None else []
         picked.append(_Planned(x, layer.boundary.fqn, nbytes, anchor,
                                next_layer=nxt.boundary.fqn if nxt is not None else None))
     return picked, layers
+
+
+# Note: [Every chosen tensor swapped or counted]
+# A saved layer input the rule chose but may not swap stays on the device; it is counted in
+# swap_stats() with its reason when the graphs are partitioned, so that swapped plus counted is
+# every saved input the rule chose: a graph input (the user's input, a parameter: user_data),
+# also a forward output (shared_storage: the caller holds it), empty (no_storage), under
+# min_swap_bytes (too_small), or of a size or layout not known when compiling (dynamic_shape).
+# Tagged offloads are counted by sac_tags.plan_offloads, budget mode's choices by
+# _count_unplanned. A layer input the partitioner did not save was not chosen.
+
+
+def _kept_reason(x: fx.Node, user_outputs: set, config: SwapConfig):
+    """Why saved ``x``, chosen by the layer-input rule, stays (Note: [Every chosen tensor
+    swapped or counted])."""
+    from swap_pass.runtime.skips import SkipReason
+
+    val = _tensor_val(x)
+    if x.op == "placeholder":
+        return SkipReason.USER_DATA
+    if x in user_outputs:
+        return SkipReason.SHARED_STORAGE
+    if val is None:
+        return SkipReason.NO_STORAGE
+    if not _static(val.shape):  # sizes are symbolic: compare nothing (a guard)
+        return SkipReason.DYNAMIC_SHAPE
+    nbytes = val.numel() * val.element_size()
+    if nbytes == 0:
+        return SkipReason.NO_STORAGE
+    if nbytes < config.min_swap_bytes:
+        return SkipReason.TOO_SMALL
+    return SkipReason.DYNAMIC_SHAPE  # symbolic strides
+
+
+def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapConfig,
+                layer: str) -> None:
+    """Count a chosen saved layer input that stays on the device, with its reason."""
+    if x is None or x not in saved:
+        return
+    from swap_pass.runtime.skips import record_skip
+
+    val = _tensor_val(x)
+    nbytes = val.numel() * val.element_size() if val is not None and _static(val.shape) else 0
+    record_skip(_kept_reason(x, user_outputs, config), nbytes,
+                where=f"swap_backend ({layer})", warn=False)
 
 
 def _saved_base(x: fx.Node | None, saved: set) -> fx.Node | None:

@@ -166,3 +166,36 @@ def test_inductor_partitions_with_the_tags_too(deterministic):
     _assert_exact(plain, got)
     assert TAGGED <= {s.name for p in backend.partitions for s in p.swapped}
     assert swap_pass.swap_stats().swapped_out_bytes >= BLOCKS * N * INNER * 4
+
+
+def test_every_layer_input_and_tag_chosen_is_swapped_or_counted(monkeypatch):
+    """Four blocks under torch's own SAC contexts (every addmm MUST_CPU_OFFLOAD), layer-input mode:
+    the partitioner saves each block's input and each tagged ``up`` output, and the last block's
+    ``down`` output for the loss. Every saved tensor the layer-input rule or a tag chose is swapped
+    or counted with its reason: the first block's input is the graph's input (user data), the
+    last block's input is not chosen (the loss is computed after it)."""
+    import tests.test_sac as sac
+
+    monkeypatch.setattr(sac, "BLOCKS", 4)
+    x = _input().detach().requires_grad_()
+    plain = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend="aot_eager"), x)
+    swap_pass.reset()
+    backend = swap_pass.make_swap_backend("aot_eager")
+    got = _step(torch.compile(Stack(_torch_sac("MUST_CPU_OFFLOAD")), backend=backend), x)
+    _assert_exact(plain, got)
+    (partition,) = backend.partitions
+    fw = partition.forward
+    saved = [n for n in fw.graph.find_nodes(op="output")[0].args[0][1:]
+             if isinstance(n, torch.fx.Node) and not n.name.startswith("primals")]
+    # the forward's saved activations: one wait per swapped tensor, and the last block's input
+    waits = [n for n in saved if n.target == torch.ops.swap_pass.wait.default]
+    kept = [n.name for n in saved if n not in waits]
+    swapped = {s.name for s in partition.swapped}
+    assert len(waits) == len(swapped) == 7
+    assert {"addmm", "addmm_2", "addmm_4", "addmm_6", "addmm_7"} <= swapped  # every saved tag
+    assert len(kept) == 1  # blocks.3's input
+    stats = swap_pass.swap_stats()
+    assert stats.skips == {"user_data": 1}  # blocks.0's input: the graph's input
+    assert stats.skipped_bytes == {"user_data": N * HIDDEN * 4}
+    layer_inputs = swapped - {"addmm", "addmm_2", "addmm_4", "addmm_6", "addmm_7"}
+    assert len(layer_inputs) + stats.skips["user_data"] == 4 - 1  # every block's input but the last
