@@ -249,8 +249,8 @@ class HostBufferPool:
                 self._in_use_bytes += bucket.block
                 if self._in_use_bytes > self._peak_in_use_bytes:
                     self._peak_in_use_bytes = self._in_use_bytes
-                    if self._in_use_bytes > self._high_water:
-                        self._high_water = self._in_use_bytes
+                if self._in_use_bytes > self._high_water:  # not nested: clear() lowers it alone
+                    self._high_water = self._in_use_bytes
             else:
                 buf, event = None, None
                 evicted = self._make_room(key, max_host_bytes)
@@ -468,7 +468,7 @@ class HostBufferPool:
                     "peak_host_bytes_in_use": self._peak_in_use_bytes,
                     "host_bytes_reserved": self._reserved_bytes,
                     "host_allocations": self._allocations,
-                    "host_pool_bound_bytes": BOUND_FACTOR * self._high_water}
+                    "host_pool_bound_bytes": self.bound_bytes}
 
     def restart_gauges(self) -> None:
         """Restart the peak at the bytes now in use and the allocation count at zero."""

@@ -308,3 +308,19 @@ def test_swap_stats_reports_the_bound() -> None:
     group.wait_h2d()
     swap_pass.reset()
     assert swap_pass.swap_stats().host_pool_bound_bytes == 0
+
+
+def test_the_bound_follows_reused_buffers_after_a_clear() -> None:
+    """``clear()`` lowers the high-water mark the bound is made from, not the gauges' peak: two
+    cached buffers taken together afterwards raise it although the peak was higher before."""
+    pool = HostBufferPool()
+    _one_step(pool, 4000)  # peak in use: 16000 bytes
+    pool.clear()
+    for nbytes in (1000, 2000):  # each alone: cached, the mark at 2000
+        pool.release(pool.acquire(nbytes, pin=False))
+    both = [pool.acquire(nbytes, pin=False) for nbytes in (1000, 2000)]  # reused together
+    assert pool.gauges()["host_allocations"] == 6  # four, then two: none fresh just now
+    assert pool.bound_bytes == BOUND_FACTOR * 3000
+    for buf in both:
+        pool.release(buf)
+    pool.clear()
