@@ -68,6 +68,7 @@ __all__ = [
     "load_test_accelerator",
     "mark_not_resizable",
     "memory_stats",
+    "order_counters",
     "pinned_stats",
     "resize_calls",
     "order_check",
@@ -313,6 +314,18 @@ def memory_stats(device: int = 0) -> dict[str, int]:
     ``.item()``) and ``elapsed_time_calls`` (each a host stall on torch_npu, which the device
     stands in for); ``swap_pass.testing.count_device_syncs`` reads the last two."""
     return dict(_loaded().memory_stats(device))
+
+
+ORDER_COUNTERS = ("unordered_reads", "unordered_writes", "unordered_frees")
+
+
+def order_counters(device: int | None = None) -> dict[str, int]:
+    """The order check's counters (:func:`memory_stats`: ``unordered_reads``,
+    ``unordered_writes``, ``unordered_frees``) of ``device``, or summed over every device when
+    None; a test compares them before and after to assert nothing ran out of order."""
+    devices = range(_loaded().device_count()) if device is None else (device,)
+    stats = [memory_stats(d) for d in devices]
+    return {name: sum(s.get(name, 0) for s in stats) for name in ORDER_COUNTERS}
 
 
 def pinned_stats() -> dict[str, int]:

@@ -130,11 +130,6 @@ class Way:
         self.ref.zero_grad(set_to_none=True)
 
 
-def _order_counters() -> dict[str, int]:
-    stats = device_knobs.memory_stats()
-    return {k: stats.get(k, 0) for k in ("unordered_reads", "unordered_writes", "unordered_frees")}
-
-
 WAYS = ["enable", "decorators", "apply_swap_pass", "swap_backend", "compile_layers", "smartswap"]
 
 
@@ -160,7 +155,7 @@ def test_a_steady_step_never_waits_for_the_device(way, cap, lengths, dev) -> Non
                     w.check(w.run(inputs), inputs)
                     w.end_step()
             outs_before = swap_pass.swap_stats().swap_outs
-            order_before = _order_counters()
+            order_before = device_knobs.order_counters()
             for inputs in batches:
                 with no_device_sync(dev, f"a steady {way} step (lengths {lengths}, cap {cap})"):
                     loss = w.run(inputs)
@@ -171,7 +166,7 @@ def test_a_steady_step_never_waits_for_the_device(way, cap, lengths, dev) -> Non
                 assert between.calls.get("elapsed_time_calls", 0) <= 1, between.calls
                 w.check(loss, inputs)
             assert swap_pass.swap_stats().swap_outs > outs_before  # the steps did swap
-            assert _order_counters() == order_before  # nothing read, wrote or freed unordered
+            assert device_knobs.order_counters() == order_before  # nothing out of order
             if way == "smartswap":
                 assert w.smart.stage.value == "stable"
             if cap is not None:

@@ -29,12 +29,12 @@ def _counter(name: str, device: int = 0) -> int:
 
 @pytest.fixture
 def unordered():
-    """Fails the test when the device counted a read or a free out of order during it."""
-    before = {(name, d): _counter(name, d) for name in ("unordered_reads", "unordered_frees")
-              for d in (0, 1)}
+    """Fails the test when the device counted a read, a write or a free out of order during it
+    (on either device)."""
+    before = device_knobs.order_counters()
     yield
     device_knobs.synchronize()
-    after = {key: _counter(*key) for key in before}
+    after = device_knobs.order_counters()
     assert after == before, f"the device counted accesses out of order: {before} -> {after}"
 
 

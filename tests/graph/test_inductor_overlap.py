@@ -51,8 +51,7 @@ def _order_counters(device: torch.device) -> dict[str, int]:
 
     if device.type != device_knobs.DEVICE_TYPE:
         return {}
-    stats = device_knobs.memory_stats(device.index or 0)
-    return {k: stats.get(k, 0) for k in ("unordered_reads", "unordered_writes", "unordered_frees")}
+    return device_knobs.order_counters(device.index or 0)
 
 
 def _llama(device, recompute):
