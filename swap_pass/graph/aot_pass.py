@@ -151,7 +151,7 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
         x = _saved_base(layer.input, saved)
         nbytes = _swappable_bytes(x, saved, user_outputs, config)
         if nbytes is None:
-            _count_kept(x, saved, user_outputs, config, layer.boundary.fqn)
+            _count_kept(x, saved, user_outputs, config)
             continue
         anchor = [nxt.input] if nxt is not None and nxt.input is not None else []
         picked.append(_Planned(x, layer.boundary.fqn, nbytes, anchor,
@@ -169,39 +169,26 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
 # _count_unplanned. A layer input the partitioner did not save was not chosen.
 
 
-def _kept_reason(x: fx.Node, user_outputs: set, config: SwapConfig):
-    """Why saved ``x``, chosen by the layer-input rule, stays (Note: [Every chosen tensor
-    swapped or counted])."""
-    from swap_pass.runtime.skips import SkipReason
-
-    val = _tensor_val(x)
-    if x.op == "placeholder":
-        return SkipReason.USER_DATA
-    if x in user_outputs:
-        return SkipReason.SHARED_STORAGE
-    if val is None:
-        return SkipReason.NO_STORAGE
-    if not _static(val.shape):  # sizes are symbolic: compare nothing (a guard)
-        return SkipReason.DYNAMIC_SHAPE
-    nbytes = val.numel() * val.element_size()
-    if nbytes == 0:
-        return SkipReason.NO_STORAGE
-    if nbytes < config.min_swap_bytes:
-        return SkipReason.TOO_SMALL
-    return SkipReason.DYNAMIC_SHAPE  # symbolic strides
-
-
-def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapConfig,
-                layer: str) -> None:
-    """Count a chosen saved layer input that stays on the device, with its reason."""
+def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapConfig) -> None:
+    """Count a saved layer input the rule chose but keeps, with its reason (Note: [Every chosen
+    tensor swapped or counted])."""
     if x is None or x not in saved:
         return
-    from swap_pass.runtime.skips import record_skip
+    from swap_pass.runtime.skips import SkipReason, record_skip
 
     val = _tensor_val(x)
     nbytes = val.numel() * val.element_size() if val is not None and _static(val.shape) else 0
-    record_skip(_kept_reason(x, user_outputs, config), nbytes,
-                where=f"swap_backend ({layer})", warn=False)
+    if x.op == "placeholder":
+        reason = SkipReason.USER_DATA
+    elif x in user_outputs:
+        reason = SkipReason.SHARED_STORAGE
+    elif val is None or (nbytes == 0 and _static(val.shape)):
+        reason = SkipReason.NO_STORAGE
+    elif 0 < nbytes < config.min_swap_bytes:
+        reason = SkipReason.TOO_SMALL
+    else:  # symbolic sizes or strides
+        reason = SkipReason.DYNAMIC_SHAPE
+    record_skip(reason, nbytes, warn=False)
 
 
 def _saved_base(x: fx.Node | None, saved: set) -> fx.Node | None:

@@ -472,21 +472,23 @@ _lib.define("wait(Tensor(a) t, Tensor? keepalive=None, Tensor? after=None) -> Te
             tags=_UNSAFE_IN_CUDA_GRAPHS)
 
 
-def _wait_for(t: torch.Tensor) -> None:
-    """Order the compute stream after the copy that produced ``t``; release its host buffer."""
+def _wait_for(t: torch.Tensor) -> _Transfer | None:
+    """Order the compute stream after the copy that produced ``t``; release its host buffer.
+    Returns the transfer completed here (None: nothing was pending)."""
     with _lock:
         transfer = _transfers.get(t.data_ptr())
     if transfer is None:  # already waited for (or a synchronous CPU copy waited by swap_in)
-        return
+        return None
     _refuse_capture("wait", device_streams(transfer.device, transfer.use_streams),
                     transfer.compute)
     with _lock:
         if _transfers.get(t.data_ptr()) is not transfer:
-            return  # taken meanwhile (reset() on another thread), which ordered it
+            return None  # taken meanwhile (reset() on another thread), which ordered it
         del _transfers[t.data_ptr()]
     _order_compute_after(transfer)
     if transfer.release is not None:  # a retained graph may read it again; the copy's event
         host_pool().release_when_unread(transfer.release, transfer.event)  # goes with it
+    return transfer
 
 
 # Note: [The keepalive is the copy's source]
@@ -503,10 +505,9 @@ def _wait_for(t: torch.Tensor) -> None:
 # and no step may go on with it); on CPU, whose copies completed inside swap_out, it warns once.
 
 
-def _check_keepalive(t: torch.Tensor, keepalive: torch.Tensor) -> None:
-    """Raise or warn if ``keepalive`` is not the storage ``t``'s copy reads (see the Note)."""
-    with _lock:
-        transfer = _transfers.get(t.data_ptr())
+def _check_keepalive(transfer: _Transfer | None, keepalive: torch.Tensor) -> None:
+    """Raise or warn if ``keepalive`` is not the storage the swap_out ``transfer`` read (see
+    the Note)."""
     if (transfer is None or not transfer.source or (
             not transfer.source_died
             and keepalive.untyped_storage().data_ptr() == transfer.source)):
@@ -528,9 +529,9 @@ def _check_keepalive(t: torch.Tensor, keepalive: torch.Tensor) -> None:
 @torch.library.impl("swap_pass::wait", "CompositeExplicitAutograd")
 def _wait_impl(t: torch.Tensor, keepalive: torch.Tensor | None = None,
                after: torch.Tensor | None = None) -> torch.Tensor:
+    transfer = _wait_for(t)
     if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
-        _check_keepalive(t, keepalive)  # a swap_out's host copy
-    _wait_for(t)
+        _check_keepalive(transfer, keepalive)  # a swap_out's host copy
     if keepalive is not None and t.device.type == "cpu" and keepalive.numel():
         _watch_source(t, keepalive)  # a swap_out's host copy (Note: [Compiled frees])
     # a view, as the schema says: ops below autograd may not return inputs
