@@ -39,12 +39,10 @@ import dataclasses
 import torch
 from torch import fx
 
-from swap_pass.cost_probes import PROBE_SIDE, copy_bandwidth, flop_rate, measure_flops, probe_side
+from swap_pass.cost_probes import copy_bandwidth, flop_rate
 from swap_pass.memory_model import compute_seconds, copy_seconds, tensor_bytes
 
-# Re-exported: the throughput probe lived here before (now in swap_pass.cost_probes).
-__all__ = ["PROBE_SIDE", "Budget", "CostModel", "SwapChoice", "choose_swaps", "measure_flops",
-           "probe_side"]
+__all__ = ["Budget", "CostModel", "SwapChoice", "choose_swaps"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,7 @@
-"""SmartSwap's copy clock; the timing and copy bandwidth probes it shares with budget mode.
+"""SmartSwap's copy clock: the seconds its copies take in a step.
 
-:class:`CopyClock` counts the seconds SmartSwap's copies take in a step. The clock it reads
-(:class:`Timing`, :func:`timing_for`, :func:`time_on_device`) and the bandwidth probe
-(:func:`measure_copy_bandwidth`) live in :mod:`swap_pass.cost_probes`, which budget mode reads
-too (see Note: [Timing on the device] there); they are importable from here as before.
+The clock it reads (``Timing``, ``timing_for``) lives in :mod:`swap_pass.cost_probes`, which
+budget mode reads too (see Note: [Timing on the device] there).
 """
 
 from __future__ import annotations
@@ -13,19 +11,12 @@ from typing import TypeVar
 
 import torch
 
-from swap_pass.cost_probes import (
-    Timing,
-    check_events,
-    measure_copy_bandwidth,
-    start_events,
-    time_on_device,
-    timing_for,
-)
+from swap_pass.cost_probes import Timing, check_events, start_events, timing_for
 from swap_pass.runtime import stats
 from swap_pass.runtime.device import device_streams
 from swap_pass.smart.profiler import now
 
-__all__ = ["CopyClock", "Timing", "measure_copy_bandwidth", "time_on_device", "timing_for"]
+__all__ = ["CopyClock"]
 
 T = TypeVar("T")
 

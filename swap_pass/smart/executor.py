@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from swap_pass.config import SwapConfig
+from swap_pass.cost_probes import measure_copy_bandwidth
 from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime.device import is_async_device
 from swap_pass.runtime.skips import SkipReason, record_skip
@@ -48,7 +49,7 @@ from swap_pass.runtime.swap_tensors import (
     SwapTensors,
     is_valid_for_swap,
 )
-from swap_pass.smart.bandwidth import CopyClock, measure_copy_bandwidth
+from swap_pass.smart.bandwidth import CopyClock
 from swap_pass.smart.follower import Follower
 from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.plan_cache import PlanCache

@@ -196,7 +196,8 @@ class DetailedProfile:
         step_s: Wall time of the step (``step()`` to ``step()``), seconds.
         transfer_s: Seconds the executor's copies took during the step: the host time of the
             calls on CPU (synchronous copies), the copies' own time on their side streams on an
-            accelerator (timing events; see Note: [Timing on the device] in ``bandwidth.py``).
+            accelerator (timing events; see Note: [Timing on the device] in
+            ``swap_pass/cost_probes.py``).
     """
 
     records: list[SavedRecord] = dataclasses.field(default_factory=list)

@@ -31,15 +31,11 @@ import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
+from swap_pass.cost_probes import measure_copy_bandwidth
 from swap_pass.memory_model import FORWARD_SHARE
 from swap_pass.opt_out import ModuleFilter, check_module_filter
 from swap_pass.runtime import register_reset_hook
-from swap_pass.smart.executor import (
-    MicroBatchReport,
-    SmartExecutor,
-    StepReport,
-    measure_copy_bandwidth,
-)
+from swap_pass.smart.executor import MicroBatchReport, SmartExecutor, StepReport
 from swap_pass.smart.plan_cache import PlanCache
 from swap_pass.smart.policy import SwapPolicy, gen_policy, replay_peak
 from swap_pass.smart.profiler import (
