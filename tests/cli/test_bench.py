@@ -490,7 +490,9 @@ def test_bench_prints_the_rates_budget_mode_planned_with(capsys, monkeypatch):
             "--steps", "1", "--warmup", "1", "--device", "cpu", "--methods", "compile_budget",
             "--no-smart-rows", "--compile-inner", "aot_eager"]
     try:
-        assert main(argv) == 0
+        with warnings.catch_warnings():  # whether the tiny model reaches 0.5 depends on the rates
+            warnings.filterwarnings("ignore", message=r".*memory_budget=0\.5 not reached")
+            assert main(argv) == 0
     finally:
         rates = cost_probes.measured_rates()
         cost_probes.clear_measured_rates()
