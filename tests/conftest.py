@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import swap_pass
+from swap_pass import _test_accelerator as device_knobs
 from swap_pass._test_accelerator import TestAcceleratorUnavailable
 from swap_pass.runtime.device import accelerator_type
 from swap_pass.testing import load_test_accelerator, stream_model
@@ -27,6 +28,7 @@ if TEST_ACCELERATOR_REQUESTED:
 
 ACCELERATOR = accelerator_type()
 HAS_ACCELERATOR = ACCELERATOR != "cpu"
+ON_TEST_ACCELERATOR = ACCELERATOR == device_knobs.DEVICE_TYPE
 NO_ACCELERATOR_REASON = "needs an accelerator (CUDA/NPU/XPU); this machine has only a CPU"
 
 # CPU always; the accelerator too where one exists (skipped with the reason otherwise).
@@ -64,20 +66,18 @@ def _close_active_smartswaps() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _clean_runtime(request):
-    _close_active_smartswaps()
-    swap_pass.reset()
-    if stream_model_requested(request.config) and "no_stream_model" not in request.keywords:
-        seed = int(os.environ.get(f"{STREAM_MODEL_ENV}_SEED", "0"))
-        with stream_model(seed=seed) as model:
-            yield
-            _close_active_smartswaps()
-            swap_pass.reset()
-        assert not model.hazards, model.hazards
-    else:
+def _nothing_unordered(request):
+    """On the test accelerator, every test leaves its order counters (unordered reads, writes
+    and frees) where it found them, its runtime reset included, but one marked
+    ``unordered_on_purpose``."""
+    if not ON_TEST_ACCELERATOR or "unordered_on_purpose" in request.keywords:
         yield
-    _close_active_smartswaps()
-    swap_pass.reset()
+        return
+    before = device_knobs.order_counters()
+    yield
+    device_knobs.synchronize()
+    after = device_knobs.order_counters()
+    assert after == before, f"the test accelerator counted work out of order: {before} -> {after}"
 
 
 @pytest.fixture(params=DEVICES)
@@ -105,3 +105,20 @@ def deterministic():
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime(request, _nothing_unordered):
+    _close_active_smartswaps()
+    swap_pass.reset()
+    if stream_model_requested(request.config) and "no_stream_model" not in request.keywords:
+        seed = int(os.environ.get(f"{STREAM_MODEL_ENV}_SEED", "0"))
+        with stream_model(seed=seed) as model:
+            yield
+            _close_active_smartswaps()
+            swap_pass.reset()
+        assert not model.hazards, model.hazards
+    else:
+        yield
+    _close_active_smartswaps()
+    swap_pass.reset()

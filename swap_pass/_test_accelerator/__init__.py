@@ -18,31 +18,41 @@ What the device models (2 devices, memory in host RAM):
   each kernel runs after a barrier that drains the current stream, checks its reads and notes its
   writes, as the fallback does for an eager op (:func:`inductor_reason` says why not, where this
   torch cannot);
-* the order is checked where timing cannot show it (:func:`set_order_check`, on by default): each
-  stream and the host carry a vector clock (an event takes its stream's, a wait merges it into the
-  waiting stream's, a host synchronize into the host's), each device block the position of its
-  last write; a copy, or a compute op's read, that is not ordered after that write reads poison
-  (``0xFF`` bytes), as a copy racing its producer may on a device, and is counted
-  (``memory_stats()["unordered_reads"]``); a block freed while a queued copy that used it is not
-  ordered before its allocating stream is counted as ``unordered_frees``; a write (a compute op,
-  an Inductor kernel, a copy) over a block that a queued copy on another stream still reads or
-  writes, not ordered after that copy, is counted as ``unordered_writes`` (what timing shows only
-  when the copy happens to run late);
-* copies on a side stream (host to device, device to host, device to device) are queued on that
-  stream and start after a seeded delay (200-400 ms by default), or as soon as the host waits
-  for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that waits
-  on them; a stream's ``wait_event`` alone does not start them). A reader that did not wait
-  reads what was there before: poison, or stale data. Copies on the default stream run at once;
+* the order is checked where timing cannot show it (:func:`set_order_check`, on by default), as a
+  happens-before checker: each stream and the host carry a vector clock (an event takes its
+  stream's, a wait merges it into the waiting stream's, a host synchronize or a ``query()`` that
+  answers True into the host's), and each byte range of a device block or a pinned host block
+  the position of its last write (the allocation first: a write on the allocating stream) and
+  the reads since. A read (a copy, a compute op's input, an Inductor kernel's, ``.item()``) not
+  ordered after the last write of its bytes reads poison (``0xFF`` bytes), as a copy racing its
+  producer may on a device, and is counted (``memory_stats()["unordered_reads"]``); a write not
+  ordered after the last write and the reads since of its bytes is counted as
+  ``unordered_writes`` (write after write, write after read: what timing shows only when the other
+  access happens to run late); a block freed while a queued copy that used it is not ordered
+  before its allocating stream is counted as ``unordered_frees``. The host's own reads and writes
+  of pinned memory are not seen;
+* copies between the host and the device (host to device, device to host, device to device) on a
+  side stream, and non-blocking ones to or from pinned memory on the default stream, are queued
+  on their stream and start after a seeded delay (200-400 ms by default), or as soon as the host
+  waits for them (``Event.synchronize``, a stream synchronize, or a compute op on a stream that
+  waits on them; a stream's ``wait_event`` alone does not start them). A reader that did not wait
+  reads what was there before: poison, or stale data. Other copies on the default stream run at
+  once. A copy across devices carries CUDA's two-way barrier (it waits for the destination
+  device's current stream, which then waits for it);
 * a caching allocator with per-stream pools: a freed block returns to its allocating stream's
   pool at once and is filled with ``0xFF`` bytes (NaN in every floating dtype) in that stream's
   order; the next allocation of a fitting size on that stream reuses it; ``record_stream`` keeps it
   out of the pool until the streams it names ran what they had queued; fresh blocks are poisoned
   too; ``untyped_storage().resize_()`` goes through the PrivateUse1 resize hook, with failure
   injection (:func:`fail_nth_resize`, :func:`mark_not_resizable`);
+* a memory cap: each device reports 16 GiB (``torch.swaptest.get_device_properties().total_memory``,
+  ``torch.swaptest.mem_get_info()``); ``torch.swaptest.set_per_process_memory_fraction`` caps the
+  reserved bytes, past which an allocation frees the cached blocks, retries and raises
+  ``torch.OutOfMemoryError``;
 * pinned host memory (``pin_memory=True``, ``Tensor.pin_memory()``, ``is_pinned()``) from a caching
   host allocator that rounds each block up to a power of two, as CUDA's does; a block is not
-  handed out again before the queued copies that use it ran. :func:`pinned_stats` reports the
-  rounded bytes in use.
+  handed out again before the queued copies that use it ran, and is poisoned when it is.
+  :func:`pinned_stats` reports the rounded bytes in use.
 """
 
 from __future__ import annotations
@@ -170,7 +180,27 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.initial_seed = torch.initial_seed
     mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
     mod.is_bf16_supported = lambda including_emulation=True: True
+    # The memory cap, as torch.cuda has it: past it an allocation raises torch.OutOfMemoryError.
+    mod.set_per_process_memory_fraction = (
+        lambda fraction, device=None: ext.set_memory_fraction(_index(device), float(fraction)))
+    mod.mem_get_info = lambda device=None: tuple(ext.memory_info(_index(device)))
+    mod.get_device_properties = lambda device=None: DeviceProperties(
+        name=DEVICE_TYPE, total_memory=ext.total_memory())
     return mod
+
+
+class DeviceProperties(types.SimpleNamespace):
+    """What ``torch.swaptest.get_device_properties()`` returns: ``name``, ``total_memory``."""
+
+
+def _index(device: int | str | torch.device | None) -> int:
+    """A device index of the test accelerator (None: the current device)."""
+    if device is None:
+        return torch.accelerator.current_device_index()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.accelerator.current_device_index()
 
 
 def _register(ext: types.ModuleType) -> None:

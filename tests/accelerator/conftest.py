@@ -7,9 +7,8 @@ import torch
 
 from swap_pass import _test_accelerator as device_knobs
 
-from ..conftest import ACCELERATOR, TEST_ACCELERATOR_SKIP
+from ..conftest import ON_TEST_ACCELERATOR, TEST_ACCELERATOR_SKIP
 
-ON_TEST_ACCELERATOR = ACCELERATOR == device_knobs.DEVICE_TYPE
 # Every test here runs on the device (marked `accelerator`, as the device-parametrized tests).
 needs_test_accelerator = [pytest.mark.accelerator,
                           pytest.mark.skipif(not ON_TEST_ACCELERATOR, reason=TEST_ACCELERATOR_SKIP)]

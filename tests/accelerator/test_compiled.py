@@ -22,17 +22,22 @@ CFG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2, inte
 
 
 def _two_steps(backend, dev: torch.device) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Two training steps on two batches, with an optimizer step between them: every layer
+    input differs from the step before, so a host buffer holding the first step's copy cannot
+    pass for the second's."""
     torch.manual_seed(0)
     model = LlamaStyleModel(CFG, recompute=True).to(dev)
-    ids, labels = make_batch(CFG, 2, 16, device=dev)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
     steps = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
+    for step in range(2):
+        ids, labels = make_batch(CFG, 2, 16, seed=step, device=dev)
+        optimizer.zero_grad(set_to_none=True)
         loss = compiled(ids, labels)
         loss.backward()
         steps.append((loss.detach().cpu(), [p.grad.cpu() for p in model.parameters()]))
+        optimizer.step()
     return steps
 
 

@@ -109,6 +109,7 @@ def test_two_devices_have_their_own_streams_and_copies_between_them(dev) -> None
 # --- a missing wait shows ------------------------------------------------------------------------
 
 
+@pytest.mark.unordered_on_purpose
 def test_a_read_before_the_wait_sees_poison_and_after_it_the_data(dev) -> None:
     """Default settings: the H2D copy of a side stream has not run when the compute stream
     reads its destination without waiting; after the wait it has."""
@@ -129,6 +130,7 @@ def test_delay_off_makes_the_copy_run_without_a_wait(dev) -> None:
     assert device_knobs.delay_settings()["enabled"] == 0.0
     side = torch.Stream(device=dev)
     dst = torch.empty(64, device=dev)
+    side.wait_stream(torch.accelerator.current_stream(dev))  # after dst's allocation
     with side:
         dst.copy_(_pinned_ones(64), non_blocking=True)
     side.synchronize()

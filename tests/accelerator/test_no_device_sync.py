@@ -196,9 +196,12 @@ def test_the_spy_sees_each_kind_of_wait(dev) -> None:
     assert spy.calls == {"host_syncs": 1, "elapsed_time_calls": 1}
     with count_device_syncs(dev) as spy:  # queued work and a non-blocking copy to pinned memory
         host = torch.empty(1024, pin_memory=True)
+        doubled = x * 2
+        side.wait_stream(torch.accelerator.current_stream(dev))
         with side:
-            host.copy_(x * 2, non_blocking=True)
+            host.copy_(doubled, non_blocking=True)
     assert spy.count == 0, spy.calls
+    side.synchronize()  # before `doubled` goes back to its pool
     with pytest.raises(AssertionError, match=r"the body made the host wait for swaptest:0 1 "):
         with no_device_sync(dev, "the body"):
             x.sum().item()

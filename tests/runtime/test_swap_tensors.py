@@ -247,6 +247,7 @@ def test_nested_tensors_are_left_out_of_a_group() -> None:
     assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), before, strict=True))
 
 
+@pytest.mark.unordered_on_purpose  # the write races the copy out on a device
 def test_in_place_write_during_d2h_detected(device) -> None:
     t = torch.randn(4, device=device)
     group = SwapTensors([t], name="layers.3")

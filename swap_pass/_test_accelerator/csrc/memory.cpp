@@ -22,6 +22,7 @@ using Ticket = std::tuple<int, StreamId, uint64_t>;  // (device, stream, seq): a
 
 constexpr size_t kDeviceRound = 512;  // device blocks are multiples of 512 bytes, as on CUDA
 constexpr int kAggregate = 0;         // StatArray index of the aggregate statistic
+constexpr int64_t kTotalBytes = int64_t{16} << 30;  // each device's memory, as reported
 
 bool all_done(const std::vector<Ticket>& tickets) {
   for (const auto& [d, s, seq] : tickets) {
@@ -36,6 +37,78 @@ void* host_alloc(size_t size) {
   return ptr;
 }
 
+// --- the order of a block's accesses ----------------------------------------------------------
+
+struct Access {
+  size_t begin, end;  // bytes of the block
+  Position at;
+};
+
+bool overlaps(const Access& a, const Span& span) { return a.begin < span.end && span.begin < a.end; }
+
+// Who last wrote each byte range of a block (the allocation first: a write on the allocating
+// stream, as a stream-ordered allocator hands out memory its previous user may still touch) and
+// who read it since. A read must be ordered after the last write of every byte it reads (RAW); a
+// write after the last write and every read since of every byte it writes (WAW, WAR). Ranges, not
+// whole blocks: two streams may write disjoint halves of one block.
+class AccessLog {
+ public:
+  void reset(size_t size, const Position& allocation) {
+    writes_.assign(1, Access{0, size, allocation});
+    reads_.clear();
+  }
+
+  bool read_ordered(const Span& span, int dev, StreamId stream) const {
+    for (const auto& w : writes_) {
+      if (overlaps(w, span) && !is_ordered(w.at, dev, stream)) return false;
+    }
+    return true;
+  }
+
+  bool write_ordered(const Span& span, int dev, StreamId stream) const {
+    if (!read_ordered(span, dev, stream)) return false;
+    for (const auto& r : reads_) {
+      if (overlaps(r, span) && !is_ordered(r.at, dev, stream)) return false;
+    }
+    return true;
+  }
+
+  void note_read(const Span& span, const Position& at) {
+    if (reads_.size() >= kMaxReads) reads_.erase(reads_.begin());
+    reads_.push_back(Access{span.begin, span.end, at});
+  }
+
+  // The write is the last write of its bytes: older writes keep the bytes outside it; reads
+  // inside it were checked against it (a later write is ordered after them through it).
+  void note_write(const Span& span, const Position& at) {
+    std::vector<Access> kept;
+    for (const auto& w : writes_) {
+      if (!overlaps(w, span)) {
+        kept.push_back(w);
+        continue;
+      }
+      if (w.begin < span.begin) kept.push_back(Access{w.begin, span.begin, w.at});
+      if (span.end < w.end) kept.push_back(Access{span.end, w.end, w.at});
+    }
+    kept.push_back(Access{span.begin, span.end, at});
+    writes_ = std::move(kept);
+    std::vector<Access> reads;
+    for (const auto& r : reads_) {
+      if (r.begin < span.begin || span.end < r.end) reads.push_back(r);
+    }
+    reads_ = std::move(reads);
+  }
+
+ private:
+  static constexpr size_t kMaxReads = 64;
+  std::vector<Access> writes_;  // disjoint ranges
+  std::vector<Access> reads_;
+};
+
+Span clamp(const Span& span, size_t size) {
+  return Span{std::min(span.begin, size), std::min(span.end, size)};
+}
+
 // --- the device allocator ----------------------------------------------------------------------
 
 struct Block {
@@ -45,7 +118,7 @@ struct Block {
   StreamId stream;                 // the allocating stream: the pool the block returns to
   std::vector<c10::Stream> uses;   // streams named by record_stream
   bool not_resizable = false;
-  Position last_write;             // nowhere: not written since it was handed out
+  AccessLog log;                   // reset when the block is handed out
   std::vector<Position> copies;    // queued copies that read or wrote it since
 };
 
@@ -63,6 +136,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     process_pending();
     Block* block = take_cached(dev, stream, size);
     if (block == nullptr) {
+      reserve(dev, nbytes, size);
       block = new Block{host_alloc(size), size, dev, stream};
       std::memset(block->ptr, kPoison, size);
       stats_[dev].reserved_bytes[kAggregate].increase(size);
@@ -71,7 +145,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     } else {
       counters_[dev]["reused_blocks"]++;
     }
-    block->last_write = Position{};
+    block->log.reset(block->size, mark(dev, stream));
     block->copies.clear();
     stats_[dev].allocated_bytes[kAggregate].increase(block->size);
     stats_[dev].allocation[kAggregate].increase(1);
@@ -109,31 +183,46 @@ class DeviceAllocator final : public c10::DeviceAllocator {
     return_to_pool(block);
   }
 
-  // A write over a block that a queued copy on another stream still reads or writes, not
-  // ordered after that copy (write-after-read, write-after-write): on a device the copy may
-  // read the new data or overwrite it. Counted as unordered_writes; timing alone shows it only
-  // when the copy happens to run late.
-  void note_write(Block* block, const Position& at) {
+  // A read of `span` by work on (dev, stream): false (counted as unordered_reads) when it is not
+  // ordered after the last write of each byte it reads.
+  bool check_read(Block* block, const Span& span, int dev, StreamId stream) {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& use : block->copies) {
-      if (use.device == at.device && use.stream == at.stream) continue;
-      if (!is_ordered(use, at.device, at.stream)) {
-        counters_[at.device]["unordered_writes"]++;
-        break;
-      }
+    if (block->log.read_ordered(clamp(span, block->size), dev, stream)) return true;
+    counters_[dev]["unordered_reads"]++;
+    return false;
+  }
+
+  void note_read(Block* block, const Span& span, const Position& at, bool copy) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    block->log.note_read(clamp(span, block->size), at);
+    if (copy) note_copy(block, at);
+  }
+
+  // A write not ordered after the allocation, the last write and every read since of the bytes
+  // it writes (write-after-write, write-after-read): on a device the old access may see the new
+  // data or overwrite it. Counted as unordered_writes; timing alone shows it only when the
+  // other access happens to run late.
+  void note_write(Block* block, const Span& span, const Position& at, bool copy) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Span bytes = clamp(span, block->size);
+    if (!block->log.write_ordered(bytes, at.device, at.stream)) {
+      counters_[at.device]["unordered_writes"]++;
     }
-    block->last_write = at;
+    block->log.note_write(bytes, at);
+    if (copy) note_copy(block, at);
   }
 
-  Position last_write(Block* block) {
+  // The memory cap (set_per_process_memory_fraction) and the device's total memory.
+  void set_memory_fraction(int dev, double fraction) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return block->last_write;
+    limit_[dev] = static_cast<int64_t>(fraction * static_cast<double>(kTotalBytes));
   }
 
-  void note_copy_use(Block* block, const Position& at) {
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (block->copies.size() >= 64) forget_ordered_copies(block);
-    block->copies.push_back(at);
+    const int dev = device < 0 ? current_device() : device;
+    const int64_t reserved = stats_[dev].reserved_bytes[kAggregate].current;
+    return {static_cast<size_t>(kTotalBytes - reserved), static_cast<size_t>(kTotalBytes)};
   }
 
   void count(int dev, const std::string& name) {
@@ -200,6 +289,47 @@ class DeviceAllocator final : public c10::DeviceAllocator {
   }
 
  private:
+  // Room for a fresh block of `size` bytes under the device's cap: past it, the cached blocks of
+  // every pool of the device are freed (once their streams ran what was queued) and the
+  // allocation retried, as CUDA's allocator does; still past it, torch.OutOfMemoryError.
+  void reserve(int dev, size_t nbytes, size_t size) {
+    const auto reserved = [&] { return stats_[dev].reserved_bytes[kAggregate].current; };
+    if (reserved() + static_cast<int64_t>(size) <= limit_[dev]) return;
+    release_cached(dev);
+    TORCH_CHECK_WITH(OutOfMemoryError, reserved() + static_cast<int64_t>(size) <= limit_[dev],
+                     "swaptest: out of memory allocating ", nbytes, " bytes on device ", dev,
+                     ": ", reserved(), " bytes are reserved, ",
+                     stats_[dev].allocated_bytes[kAggregate].current, " allocated, and the cap "
+                     "is ", limit_[dev], " of ", kTotalBytes, " bytes "
+                     "(set_per_process_memory_fraction). Free tensors or raise the cap.");
+  }
+
+  // As CUDA's allocator on out of memory: wait for the streams the freed blocks wait on (blocks
+  // held by record_stream, the poison fills), then free every cached block of the device.
+  void release_cached(int dev) {
+    for (const auto& [block, tickets] : pending_) {
+      if (block->device != dev) continue;
+      for (const auto& [d, stream, seq] : tickets) wait_done(d, stream, seq);
+    }
+    process_pending();
+    for (auto& [key, pool] : pools_) {
+      if (key.first != dev || pool.empty()) continue;
+      drain(dev, key.second);  // the poison fills of its freed blocks ran
+      for (auto& [size, block] : pool) {
+        stats_[dev].reserved_bytes[kAggregate].decrease(size);
+        stats_[dev].segment[kAggregate].decrease(1);
+        std::free(block->ptr);
+        delete block;
+      }
+      pool.clear();
+    }
+  }
+
+  void note_copy(Block* block, const Position& at) {
+    if (block->copies.size() >= 64) forget_ordered_copies(block);
+    block->copies.push_back(at);
+  }
+
   // The smallest cached block of this stream's pool that fits (at most twice the size).
   Block* take_cached(int dev, StreamId stream, size_t size) {
     auto& pool = pools_[{dev, stream}];
@@ -259,6 +389,7 @@ class DeviceAllocator final : public c10::DeviceAllocator {
   std::map<std::pair<int, StreamId>, std::multimap<size_t, Block*>> pools_;
   std::vector<std::pair<Block*, std::vector<Ticket>>> pending_;
   DeviceStats stats_[kNumDevices];
+  int64_t limit_[kNumDevices] = {kTotalBytes, kTotalBytes};
   std::unordered_map<std::string, int64_t> counters_[kNumDevices];
 };
 
@@ -282,6 +413,7 @@ struct HostBlock {
   size_t requested;  // bytes asked for
   bool in_use = true;
   std::vector<Ticket> uses;  // queued copies that read or write it
+  AccessLog log;             // the copies' order (the host's own reads and writes are not seen)
 };
 
 void free_host_block(void* ctx);
@@ -308,6 +440,7 @@ class HostAllocator final : public at::HostAllocator {
     }
     block->in_use = true;
     block->requested = nbytes;
+    block->log.reset(size, Position{});
     in_use_ += static_cast<int64_t>(size);
     requested_ += static_cast<int64_t>(nbytes);
     peak_in_use_ = std::max(peak_in_use_, in_use_);
@@ -336,6 +469,33 @@ class HostAllocator final : public at::HostAllocator {
     std::lock_guard<std::mutex> lock(mutex_);
     HostBlock* block = find(ptr);
     if (block != nullptr) block->uses.emplace_back(dev, stream, seq);
+  }
+
+  // A copy's read of pinned bytes must be ordered after the copy that last wrote them (a host
+  // buffer a copy out filled and a copy back reads: a race through host memory otherwise).
+  bool check_read(const void* ptr, size_t nbytes, int dev, StreamId stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HostBlock* block = find(ptr);
+    if (block == nullptr || block->log.read_ordered(span_in(block, ptr, nbytes), dev, stream)) {
+      return true;
+    }
+    device_allocator_.count(dev, "unordered_reads");
+    return false;
+  }
+
+  void note_access(const void* ptr, size_t nbytes, const Position& at, bool write) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HostBlock* block = find(ptr);
+    if (block == nullptr) return;
+    const Span span = span_in(block, ptr, nbytes);
+    if (!write) {
+      block->log.note_read(span, at);
+      return;
+    }
+    if (!block->log.write_ordered(span, at.device, at.stream)) {
+      device_allocator_.count(at.device, "unordered_writes");
+    }
+    block->log.note_write(span, at);
   }
 
   bool is_pinned(const void* ptr) {
@@ -388,9 +548,15 @@ class HostAllocator final : public at::HostAllocator {
       if (!all_done(block->uses)) continue;
       block->uses.clear();
       free_.erase(it);
+      std::memset(block->ptr, kPoison, block->size);  // no stale data from its last user
       return block;
     }
     return nullptr;
+  }
+
+  static Span span_in(const HostBlock* block, const void* ptr, size_t nbytes) {
+    const size_t begin = reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(block->ptr);
+    return clamp(Span{begin, begin + nbytes}, block->size);
   }
 
   HostBlock* find(const void* ptr) {
@@ -446,19 +612,39 @@ void pinned_record_use(const void* ptr, int device, StreamId stream, uint64_t se
   host_allocator_.record_use(ptr, device, stream, seq);
 }
 
-void note_write(const c10::Storage& storage, const Position& at) {
+bool check_read(const c10::Storage& storage, const Span& span, int device, StreamId stream) {
   Block* block = block_of(storage.data_ptr());
-  if (block != nullptr) device_allocator_.note_write(block, at);
+  return block == nullptr || device_allocator_.check_read(block, span, device, stream);
 }
 
-Position last_write(const c10::Storage& storage) {
+void note_read(const c10::Storage& storage, const Span& span, const Position& at, bool copy) {
   Block* block = block_of(storage.data_ptr());
-  return block == nullptr ? Position{} : device_allocator_.last_write(block);
+  if (block != nullptr) device_allocator_.note_read(block, span, at, copy);
 }
 
-void note_copy_use(const c10::Storage& storage, const Position& at) {
+void note_write(const c10::Storage& storage, const Span& span, const Position& at, bool copy) {
   Block* block = block_of(storage.data_ptr());
-  if (block != nullptr) device_allocator_.note_copy_use(block, at);
+  if (block != nullptr) device_allocator_.note_write(block, span, at, copy);
+}
+
+bool check_host_read(const void* ptr, size_t nbytes, int device, StreamId stream) {
+  return host_allocator_.check_read(ptr, nbytes, device, stream);
+}
+
+void note_host_access(const void* ptr, size_t nbytes, const Position& at, bool write) {
+  host_allocator_.note_access(ptr, nbytes, at, write);
+}
+
+void set_memory_fraction(int device, double fraction) {
+  TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "swaptest.set_per_process_memory_fraction: "
+              "fraction must be in [0, 1] (got ", fraction, ").");
+  device_allocator_.set_memory_fraction(device, fraction);
+}
+
+int64_t total_memory() { return kTotalBytes; }
+
+std::pair<size_t, size_t> memory_info(int device) {
+  return device_allocator_.getMemoryInfo(static_cast<c10::DeviceIndex>(device));
 }
 
 void count(int device, const std::string& name) { device_allocator_.count(device, name); }
@@ -480,7 +666,7 @@ void resize_storage_bytes(const c10::Storage& storage, size_t newsize) {
   }
   c10::DataPtr old = storage.unsafeGetStorageImpl()->set_data_ptr(std::move(fresh));
   storage.unsafeGetStorageImpl()->set_nbytes(newsize);
-  if (keep > 0) note_write(storage, mark(dev, current_stream_id(dev)));
+  if (keep > 0) note_write(storage, Span{0, keep}, mark(dev, current_stream_id(dev)), false);
 }
 
 void fail_nth_resize(int64_t n) {

@@ -90,12 +90,25 @@ at::Tensor& set_empty(at::Tensor& self) {
 // not the host waiting for data.
 thread_local int fallback_depth = 0;
 
-// Whether a read of `t` on the reader stream is ordered after the last write of its block (see
-// the order of work in runtime.cpp); one that is not reads poison and is counted.
-bool read_is_ordered(const at::Tensor& t, int dev, StreamId reader) {
-  if (is_ordered(last_write(t.storage()), dev, reader)) return true;
-  count(dev, "unordered_reads");
-  return false;
+// The bytes of its storage a tensor reads or writes.
+Span span_of(const at::Tensor& t) {
+  if (t.numel() == 0) return Span{};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+  const size_t begin = static_cast<size_t>(t.storage_offset()) * t.itemsize();
+  return Span{begin, begin + static_cast<size_t>(last + 1) * t.itemsize()};
+}
+
+// A read of a device tensor by work on (dev, reader), checked now (see the order of work in
+// runtime.cpp): one not ordered after the last write of its bytes is counted (the caller gives it
+// poison). `at`: where the read is, noted for the write-after-read checks of later writes.
+bool read_device(const at::Tensor& t, int dev, StreamId reader) {
+  return check_read(t.storage(), span_of(t), dev, reader);
+}
+
+// A read or write of pinned host memory by a copy, where `t` is the host side of the copy.
+bool read_host(const at::Tensor& t, int dev, StreamId stream) {
+  return check_host_read(t.data_ptr(), t.nbytes(), dev, stream);
 }
 
 // A CPU tensor over the same bytes (no copy): how host code reads device memory.
@@ -118,22 +131,64 @@ void copy_on_host(const at::Tensor& src, const at::Tensor& dst) {
   const bool src_dev = src.device().type() == kDevice, dst_dev = dst.device().type() == kDevice;
   at::Tensor s = src_dev ? cpu_alias(src) : src;
   at::Tensor d = dst_dev ? cpu_alias(dst) : dst;
-  if (src_dev && !read_is_ordered(src, device_index(src), current_stream_id(device_index(src)))) {
-    s = at::empty(s.sizes(), s.options());
-    std::memset(s.data_ptr(), kPoison, s.nbytes());
+  if (src_dev) {
+    const int sd = device_index(src);
+    const StreamId stream = current_stream_id(sd);
+    if (!read_device(src, sd, stream)) {
+      s = at::empty(s.sizes(), s.options());
+      std::memset(s.data_ptr(), kPoison, s.nbytes());
+    }
+    note_read(src.storage(), span_of(src), mark(sd, stream), false);
   }
   d.copy_(s);
   if (dst_dev) {
     const int dd = device_index(dst);
-    note_write(dst.storage(), mark(dd, current_stream_id(dd)));
+    note_write(dst.storage(), span_of(dst), mark(dd, current_stream_id(dd)), false);
   } else if (src_dev && fallback_depth == 0) {  // the host reads device memory: it waited
     host_sync(device_index(src), current_stream_id(device_index(src)));
   }
 }
 
-// A copy on the default stream runs now, in stream order. On a side stream it is queued and
-// starts after the copy delay; the host waits for it unless the host side is pinned and
-// non_blocking was asked for, or both sides are on the device (as on CUDA).
+// A copy between the host and the device that leaves the host free to go on: non_blocking with
+// the host side pinned, as PyTorch makes it asynchronous on every stream (not the CPU fallback's
+// own copies, which are part of an op).
+bool is_async(const at::Tensor& host, bool non_blocking) {
+  return non_blocking && fallback_depth == 0 && is_pinned_ptr(host.data_ptr());
+}
+
+// Queue the copy on (dev, stream), delayed, and check its accesses at the place it is queued:
+// a read of the device source or the pinned host source not ordered after its last write reads
+// poison; a write not ordered after the destination's last accesses is counted.
+uint64_t queue_copy(const at::Tensor& src, const at::Tensor& dst, int dev, StreamId stream) {
+  const bool src_dev = src.device().type() == kDevice, dst_dev = dst.device().type() == kDevice;
+  const bool poison = src_dev ? !read_device(src, dev, stream) : !read_host(src, dev, stream);
+  void* out = dst.data_ptr();
+  const void* in = src.data_ptr();
+  const size_t n = src.nbytes();
+  const uint64_t seq = enqueue(dev, stream, [out, in, n, poison] {
+    if (poison) {
+      std::memset(out, kPoison, n);
+    } else {
+      std::memcpy(out, in, n);
+    }
+  }, true);
+  const Position at{dev, stream, seq};
+  if (src_dev) {
+    note_read(src.storage(), span_of(src), at, true);
+  } else {
+    note_host_access(in, n, at, false);
+  }
+  if (dst_dev) {
+    note_write(dst.storage(), span_of(dst), at, true);
+  } else {
+    note_host_access(out, n, at, true);
+  }
+  return seq;
+}
+
+// A copy on the default stream runs now, in stream order, unless it is asynchronous (see
+// is_async). On a side stream, or asynchronous, it is queued and starts after the copy delay;
+// the host waits for it unless it is asynchronous, or both sides are on the device (as on CUDA).
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   if (self.numel() == 0) return dst;
   if (!plain(self, dst)) {
@@ -142,45 +197,47 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   }
   const bool src_dev = self.device().type() == kDevice, dst_dev = dst.device().type() == kDevice;
   const at::Tensor& dev_side = src_dev ? self : dst;
+  const at::Tensor& host_side = src_dev ? dst : self;
   const int dev = device_index(dev_side);
   const StreamId stream = current_stream_id(dev);
   const bool d2d = src_dev && dst_dev;
-  if (d2d && device_index(dst) != dev) drain(device_index(dst), current_stream_id(device_index(dst)));
-  void* out = dst.data_ptr();
-  const void* in = self.data_ptr();
-  const size_t n = self.nbytes();
-  // A read not ordered after the write it should see reads poison: what a copy racing its
-  // producer (or a kernel racing a copy in) may read on a device.
-  const bool poison = src_dev && !read_is_ordered(self, dev, stream);
-  auto run = [out, in, n, poison] {
-    if (poison) {
-      std::memset(out, kPoison, n);
-    } else {
-      std::memcpy(out, in, n);
-    }
-  };
-  if (stream == 0) {
+  const bool async = !d2d && is_async(host_side, non_blocking);
+  // Across devices, CUDA's two-way barrier: the copy waits for the destination device's current
+  // stream, which then waits for the copy.
+  const bool cross = d2d && device_index(dst) != dev;
+  const int dd = device_index(dst);
+  const StreamId dst_stream = current_stream_id(dd);
+  if (cross) {
+    drain(dd, dst_stream);
+    stream_waits_for(dev, stream, mark(dd, dst_stream));
+  }
+  if (stream == 0 && !async) {
     drain(dev, 0);
-    run();
+    const Position read_at = mark(dev, 0);
+    const bool ordered = src_dev ? read_device(self, dev, 0) : read_host(self, dev, 0);
+    if (ordered) {
+      std::memcpy(dst.data_ptr(), self.data_ptr(), self.nbytes());
+    } else {
+      std::memset(dst.data_ptr(), kPoison, self.nbytes());
+    }
+    if (src_dev) {
+      note_read(self.storage(), span_of(self), read_at, false);
+    } else {
+      note_host_access(self.data_ptr(), self.nbytes(), read_at, false);
+    }
     if (dst_dev) {  // in the order of the destination's current stream, as across devices
-      const int dd = device_index(dst);
-      note_write(dst.storage(), mark(dd, current_stream_id(dd)));
-    } else if (fallback_depth == 0) {  // the host reads device memory: it waited for the stream
-      host_sync(dev, 0);
+      note_write(dst.storage(), span_of(dst), mark(dd, dst_stream), false);
+    } else {
+      note_host_access(dst.data_ptr(), dst.nbytes(), read_at, true);
+      if (fallback_depth == 0) host_sync(dev, 0);  // the host reads device memory: it waited
     }
     return dst;
   }
-  const uint64_t seq = enqueue(dev, stream, run, true);
-  const Position at{dev, stream, seq};
-  if (src_dev) note_copy_use(self.storage(), at);
-  if (dst_dev) {
-    note_write(dst.storage(), at);
-    note_copy_use(dst.storage(), at);
-  }
-  const void* host = d2d ? nullptr : (src_dev ? out : in);
+  const uint64_t seq = queue_copy(self, dst, dev, stream);
+  if (cross) stream_waits_for(dd, dst_stream, Position{dev, stream, seq});
   if (d2d) return dst;
-  if (non_blocking && is_pinned_ptr(host)) {
-    pinned_record_use(host, dev, stream, seq);
+  if (async) {
+    pinned_record_use(host_side.data_ptr(), dev, stream, seq);
     return dst;
   }
   wait_done(dev, stream, seq);
@@ -193,8 +250,12 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// .item(): the host waits for the current stream, then reads; a value written on another stream
+// the current one did not wait for is counted as an unordered read.
 at::Scalar local_scalar_dense(const at::Tensor& self) {
-  host_sync(device_index(self), current_stream_id(device_index(self)));
+  const int dev = device_index(self);
+  host_sync(dev, current_stream_id(dev));
+  read_device(self, dev, current_stream_id(dev));
   return cpu_alias(self).item();
 }
 
@@ -229,14 +290,19 @@ void kernel_barrier(const std::vector<at::Tensor>& reads, const std::vector<at::
   for (const auto& t : reads) {
     if (t.device().type() != kDevice || t.storage().nbytes() == 0) continue;
     const int dev = device_index(t);
-    if (!read_is_ordered(t, dev, current_stream_id(dev))) {
-      std::memset(t.storage().mutable_data(), kPoison, t.storage().nbytes());
+    const StreamId stream = current_stream_id(dev);
+    const Span span = span_of(t);
+    if (!read_device(t, dev, stream) && span.end > span.begin) {
+      auto* bytes = static_cast<unsigned char*>(t.storage().mutable_data());
+      std::memset(bytes + span.begin, kPoison,
+                  std::min(span.end, t.storage().nbytes()) - span.begin);
     }
+    note_read(t.storage(), span, mark(dev, stream), false);
   }
   for (const auto& t : writes) {
     if (t.device().type() != kDevice || t.storage().nbytes() == 0) continue;
     const int dev = device_index(t);
-    note_write(t.storage(), mark(dev, current_stream_id(dev)));
+    note_write(t.storage(), span_of(t), mark(dev, current_stream_id(dev)), false);
   }
 }
 
@@ -286,6 +352,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_marked_not_resizable",
         [](const at::Tensor& t) { return is_marked_not_resizable(t.storage()); });
   m.def("memory_stats", &memory_stats, py::arg("device"));
+  m.def("set_memory_fraction", &set_memory_fraction, py::arg("device"), py::arg("fraction"));
+  m.def("total_memory", &total_memory);
+  m.def("memory_info", &memory_info, py::arg("device"));
   m.def("pinned_stats", &pinned_stats);
   m.def("empty_cache", &empty_device_cache);
   m.def("empty_pinned_cache", &empty_pinned_cache);

@@ -262,6 +262,15 @@ void host_waited(const VectorClock& c) {
 
 }  // namespace
 
+void stream_waits_for(int device, StreamId waiter, const Position& p) {
+  if (p.device < 0 || (p.device == device && p.stream == waiter)) return;
+  const int src_dev = p.device;
+  const StreamId src = p.stream;
+  const uint64_t seq = p.seq;
+  enqueue(device, waiter, [=] { wait_on_behalf(device, waiter, src_dev, src, seq); }, false);
+  stream_waits(device, waiter, clock_at(src_dev, src, seq));
+}
+
 bool is_ordered(const Position& p, int device, StreamId reader) {
   if (!order_.enabled.load() || p.device < 0) return true;
   if (p.device == device && p.stream == reader) return true;
@@ -416,9 +425,14 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     enqueue(dev, waiter, [=] { wait_on_behalf(dev, waiter, src_dev, src, seq); }, false);
     stream_waits(dev, waiter, e->clock);
   }
+  // A query that answers True orders the host after the event, as on CUDA: work the host
+  // queues afterwards is ordered after it.
   bool queryEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);
-    return e == nullptr || e->device < 0 || is_done(e->device, e->stream, e->seq);
+    if (e == nullptr || e->device < 0) return true;
+    if (!is_done(e->device, e->stream, e->seq)) return false;
+    host_waited(e->clock);
+    return true;
   }
   void synchronizeEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);
@@ -445,7 +459,10 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   bool queryStream(const c10::Stream& stream) const override {
     int dev = resolve(stream.device_index());
     Worker& w = worker(dev, stream.id());
-    return w.done(w.last());
+    const uint64_t seq = w.last();
+    if (!w.done(seq)) return false;
+    host_waited(clock_at(dev, stream.id(), seq));
+    return true;
   }
   void synchronizeStream(const c10::Stream& stream) const override {
     host_sync(resolve(stream.device_index()), stream.id());

@@ -73,6 +73,8 @@ Position mark(int device, StreamId stream);
 // Whether work queued now on (device, reader) is ordered after `p`: the same stream, a chain of
 // event waits from p's stream, or a host synchronize after it. Always true with the check off.
 bool is_ordered(const Position& p, int device, StreamId reader);
+// `waiter` waits, in its order, for the work at `p` (as an event recorded there and waited on).
+void stream_waits_for(int device, StreamId waiter, const Position& p);
 void set_order_check(bool enabled);
 bool order_check();
 
@@ -91,12 +93,27 @@ void resize_storage_bytes(const c10::Storage& storage, size_t newsize);
 // The fill every freed or fresh block gets (0xFF bytes: NaN in every floating dtype).
 constexpr unsigned char kPoison = 0xFF;
 
-// The order of a device block's accesses: its last write (reset when the block is handed out),
-// and the queued copies that read or wrote it (checked against its allocating stream at the free:
-// a free not ordered after one of them is counted as `unordered_frees`).
-void note_write(const c10::Storage& storage, const Position& at);
-Position last_write(const c10::Storage& storage);
-void note_copy_use(const c10::Storage& storage, const Position& at);
+// The order of each block's accesses (memory.cpp): per byte range, its last write (the allocation
+// first, on the allocating stream) and the reads since. A read must be ordered after the last
+// write of its bytes (else unordered_reads), a write after the last write and the reads since
+// (else unordered_writes). A queued copy's access (`copy`) is also checked against the block's
+// allocating stream when it is freed (else unordered_frees). Spans are bytes of the storage.
+struct Span {
+  size_t begin = 0;
+  size_t end = 0;
+};
+bool check_read(const c10::Storage& storage, const Span& span, int device, StreamId stream);
+void note_read(const c10::Storage& storage, const Span& span, const Position& at, bool copy);
+void note_write(const c10::Storage& storage, const Span& span, const Position& at, bool copy);
+// The same for the copies' accesses of a pinned host block (`ptr` anywhere inside it; nothing
+// for other host memory). Counted on the copy's device.
+bool check_host_read(const void* ptr, size_t nbytes, int device, StreamId stream);
+void note_host_access(const void* ptr, size_t nbytes, const Position& at, bool write);
+// The memory cap: past it an allocation frees the cached blocks and retries, then raises
+// torch.OutOfMemoryError. total_memory() is what each device reports.
+void set_memory_fraction(int device, double fraction);
+int64_t total_memory();
+std::pair<size_t, size_t> memory_info(int device);  // (free, total) bytes
 // Add one to a counter of memory_stats(device).
 void count(int device, const std::string& name);
 
