@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import fx
 
 from swap_pass.config import SwapConfig, check_config
@@ -189,11 +190,59 @@ def _inductor_partitioner(partition: Callable, uuid: str):
         cfx.min_cut_rematerialization_partition = original
 
 
-def _compile_inductor(gm, example_inputs, partition: Callable, uuid: str):
+def _compile_inductor(gm, example_inputs, partition: Callable, uuid: str,
+                      patches: dict[str, Any]):
     from torch._inductor.compile_fx import compile_fx
 
     with _inductor_partitioner(partition, uuid):
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+# Note: [Whole-model CUDA graphs]
+# ``torch.compile(model, backend=swap_backend, mode="reduce-overhead")`` (or "max-autotune",
+# ``options={"triton.cudagraphs": True}``, ``torch._inductor.config.triton.cudagraphs = True``)
+# asks the inner Inductor to capture CUDA graphs. A captured graph replays its copies with the
+# host buffers and device blocks of the capture: a prefetch would write into a block the replay
+# no longer owns, a copy out would read a layer input the trees' private pool has handed on, and
+# the runtime's host pool, events and frees are host-side bookkeeping that a replay skips. The
+# swap ops are tagged ``cudagraph_unsafe``, which only splits the graph where Inductor partitions
+# it. So the backend refuses CUDA graphs for a graph on an accelerator when Dynamo hands it the
+# first graph, before any step runs, and names the modes that swap; on the CPU, where Inductor
+# captures nothing, the mode's other options apply.
+
+
+def _inductor_patches(inner: str | Callable, mode: str | None, options: dict | None,
+                      example_inputs) -> dict[str, Any]:
+    """The Inductor options ``torch.compile(mode=, options=)`` passed to the backend.
+
+    Raises:
+        ValueError: ``mode``/``options`` with an inner compiler other than Inductor, or CUDA
+            graphs asked for a graph on an accelerator (Note: [Whole-model CUDA graphs]).
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    if inner != "inductor":
+        if mode or options:
+            raise ValueError(
+                f"swap_pass.swap_backend: torch.compile(mode={mode!r}, options={options!r}) "
+                f"configures Inductor, but this backend compiles with inner={inner!r}. Pass "
+                "them only with make_swap_backend(inner='inductor').")
+        return {}
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+    cuda_graphs = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if cuda_graphs and devices - {"cpu"}:
+        asked = (f"mode={mode!r}" if mode else "options={'triton.cudagraphs': True}"
+                 if (options or {}).get("triton.cudagraphs") else
+                 "torch._inductor.config.triton.cudagraphs=True")
+        raise ValueError(
+            f"swap_pass.swap_backend: {asked} asks Inductor to capture CUDA graphs, which cannot "
+            "run the swap ops (a replay reuses the capture's host buffers and device blocks). "
+            "Compile with mode='default' or mode='max-autotune-no-cudagraphs' to swap, or keep "
+            "CUDA graphs without swapping: swap_pass.compile_layers(model, swap=False, "
+            f"mode={mode or 'reduce-overhead'!r}).")
+    return patches
 
 
 def _compile_aot(gm, example_inputs, partition: Callable, fw: Callable, bw: Callable, **kwargs):
@@ -298,6 +347,9 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     Returns:
         A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
         the last rewritten forward/backward pairs (:class:`Partition`) for inspection.
+        ``torch.compile``'s ``mode=`` and ``options=`` reach the inner Inductor; CUDA graphs for
+        a model on an accelerator are refused with a ``ValueError`` at the first compile, before
+        any step (Note: [Whole-model CUDA graphs]).
 
     Raises:
         ValueError: ``inner`` is unknown or ``"npu"`` (use :func:`swap_pass.compile_layers`
@@ -316,12 +368,15 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
     partition = _swap_partition(_min_cut, layer_filter, config, record, budget, cost,
                                 f"{name}@{id(record):x}")
 
-    def backend(gm: fx.GraphModule, example_inputs):
+    def backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
+                options: dict | None = None):
         _refuse_compiled_autograd()
+        patches = _inductor_patches(inner, mode, options, example_inputs)
         name_modules_as_the_model_does(gm)  # Note: [Module names in resumed frames]
         if inner == "inductor":
             return _compile_inductor(gm, example_inputs, partition,
-                                     _partitioner_uuid(layer_filter, config, budget, cost))
+                                     _partitioner_uuid(layer_filter, config, budget, cost),
+                                     patches)
         if inner == "aot_eager":
             from torch._dynamo.backends.debugging import boxed_nop
 

@@ -252,6 +252,38 @@ def test_npu_inner_points_to_regional_compile():
         make_swap_backend("npu")
 
 
+def test_compile_options_for_another_inner_compiler_are_an_error():
+    model = tiny_model(L, recompute=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=make_swap_backend("aot_eager"), mode="max-autotune")
+    with pytest.raises(Exception, match=r"configures Inductor, but this backend compiles with "
+                                        r"inner='aot_eager'"):
+        compiled(*batch(model))
+
+
+@pytest.mark.parametrize("asked", ["mode", "options", "config"])
+def test_cuda_graphs_on_an_accelerator_are_refused_before_the_first_step(device, asked):
+    """Whole-model CUDA graphs cannot replay the swap ops (Note: [Whole-model CUDA graphs]): on
+    an accelerator the first compile refuses them, before any step ran, naming the modes that
+    swap and compile_layers."""
+    if device.type == "cpu":
+        pytest.skip("Inductor captures no CUDA graph for CPU tensors (the refusal is for devices)")
+    model = tiny_model(L, recompute=True, device=device)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    kwargs = {"mode": {"mode": "reduce-overhead"},
+              "options": {"options": {"triton.cudagraphs": True}}, "config": {}}[asked]
+    compiled = torch.compile(model, backend=make_swap_backend(), **kwargs)
+    with torch._inductor.config.patch({"triton.cudagraphs": asked == "config"}):
+        with pytest.raises(Exception, match=r"asks Inductor to capture CUDA graphs.*"
+                                            r"mode='max-autotune-no-cudagraphs'.*"
+                                            r"swap_pass\.compile_layers\(model, swap=False"):
+            compiled(*batch(model)).backward()
+    assert swap_pass.swap_stats().swap_outs == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_forward_without_backward_and_no_grad_leave_nothing(device):
     import gc
 
