@@ -10,6 +10,8 @@ must then fail. ``none`` runs the same tests unmutated (they must pass).
 Mutations (default: all):
   producer_waits  the side streams no longer wait on the compute stream before a copy
                   (SwapTensors' copies and the graph ops swap_out / prefetch)
+  h2d_producer_wait  the copy-back side streams no longer wait on the compute stream, which
+                  allocated the destination (SwapTensors' copies back and the graph op prefetch)
   release_events  host buffers go back to the pool without their last copy's event
                   (wait_h2d, discard, a dropped group, the graph wait, reset)
   abandon_wait    a copy out abandoned by restore() from "d2h" is not waited for by compute
@@ -55,6 +57,13 @@ MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
     "producer_waits": [
         (ST, "        ds.wait(stream, ds.record_event(compute))\n", "        pass\n", 1),
         (OPS, "    ds.wait(stream, ready)\n", "", 2),
+    ],
+    "h2d_producer_wait": [
+        (ST, "    if stream is not None:\n        ds.wait(stream, ds.record_event(compute))\n",
+         "    if stream is not None and to_host:\n"
+         "        ds.wait(stream, ds.record_event(compute))\n", 1),
+        (OPS, "    stream = ds.h2d_stream()\n    ds.wait(stream, ready)\n",
+         "    stream = ds.h2d_stream()\n", 1),
     ],
     "release_events": [
         (ST, "self._release_host_buffers(event)  #", "self._release_host_buffers()  #", 1),
