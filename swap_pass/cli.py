@@ -75,8 +75,8 @@ def _add_bench(sub) -> None:
                        description="Every method side by side on one model, seed and data: memory, "
                        "wall and CPU time, losses against the reference, copy bandwidth.")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an "
-                   "accelerator)")
+                   help="model and schedule (default: tiny on CPU and the test accelerator, "
+                   "llama-8b-layer on an accelerator)")
     _add_sizes(p, bench=True)
     p.add_argument("--methods",
                    help="comma list of " + ",".join(m.key for m in METHODS) + " (default: all)")
@@ -94,6 +94,9 @@ def _add_bench(sub) -> None:
                    "about a quarter of the bench's time on CPU)")
     p.add_argument("--no-host-rows", action="store_true",
                    help="skip the host CPU time per layer rows (a few seconds)")
+    p.add_argument("--no-window-rows", action="store_true",
+                   help="on the test accelerator (--device swaptest), skip the copy windows per "
+                   "way in (about a minute)")
     p.add_argument("--megatron", action="store_true",
                    help="also a megatron-core GPTModel: swap_pass vs Megatron's fine-grained "
                    "offloading vs full recompute vs none (needs megatron-core and CUDA)")
@@ -150,8 +153,8 @@ def _add_capacity(sub) -> None:
     p.add_argument("--dim", choices=["batch", "seq", "hidden"], default="batch",
                    help="size searched (default: batch)")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model and schedule (default: tiny on CPU, llama-8b-layer on an "
-                   "accelerator)")
+                   help="model and schedule (default: tiny on CPU and the test accelerator, "
+                   "llama-8b-layer on an accelerator)")
     _add_sizes(p, bench=True)
     p.add_argument("--methods", help="comma list of bench methods "
                    "(default: no_swap,recompute,eager_swap,smartswap)")
@@ -196,7 +199,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _bench_preset(args: argparse.Namespace, device: torch.device):
     from swap_pass.bench.presets import get_preset
 
-    preset = get_preset(args.preset or ("tiny" if device.type == "cpu" else "llama-8b-layer"))
+    preset = get_preset(args.preset or ("tiny" if device.type in ("cpu", "swaptest")
+                                      else "llama-8b-layer"))
     changes = _sizes(args)
     if args.seq is not None:
         changes["max_seq_len"] = max(args.seq, preset.model.max_seq_len)
@@ -229,6 +233,12 @@ def _run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     print(format_report(report))
     for line in _planned_rates():
         print(line)
+    if device.type == "swaptest" and not args.no_window_rows:
+        from swap_pass.bench.windows import format_windows, measure_windows
+
+        rows = measure_windows(device)
+        report.extra["copy_windows"] = [dataclasses.asdict(r) for r in rows]
+        print(format_windows(rows))
     if not args.json and not args.plot:
         print("(--json PATH writes this report as JSON, with the memory plot beside it; "
               "--plot PATH writes the plot alone)")

@@ -57,6 +57,7 @@ What the device models (2 devices, memory in host RAM):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -70,16 +71,20 @@ from swap_pass.runtime.device import register_free_check
 
 __all__ = [
     "DEVICE_TYPE",
+    "CopyWindow",
     "TestAcceleratorUnavailable",
     "delay_settings",
     "empty_cache",
     "fail_nth_resize",
     "inductor_reason",
+    "compute_counts",
+    "copy_windows",
     "load_test_accelerator",
     "mark_not_resizable",
     "memory_stats",
     "order_counters",
     "pinned_stats",
+    "record_copy_windows",
     "resize_calls",
     "order_check",
     "set_delay",
@@ -356,6 +361,70 @@ def order_counters(device: int | None = None) -> dict[str, int]:
     devices = range(_loaded().device_count()) if device is None else (device,)
     stats = [memory_stats(d) for d in devices]
     return {name: sum(s.get(name, 0) for s in stats) for name in ORDER_COUNTERS}
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyWindow:
+    """One side-stream copy and the compute it could hide behind.
+
+    Attributes:
+        direction: ``"d2h"``, ``"h2d"`` or ``"d2d"``.
+        bytes: The bytes copied.
+        device: The device whose stream ran it.
+        stream: The side stream's id.
+        queued_at_ops: Compute ops issued on the device's default stream before it was queued.
+        closed_by: ``"stream <id>"``: the first stream made to wait for it; ``"host"``: the host
+            waited first; ``"open"``: nobody waited yet.
+        ops: Compute ops issued on that stream (the host: on every stream of the device) from
+            the copy's queueing to that wait: the copy's window.
+        compute_bytes: The bytes those ops' operands span.
+    """
+
+    direction: str
+    bytes: int
+    device: int
+    stream: int
+    queued_at_ops: int
+    closed_by: str
+    ops: int
+    compute_bytes: int
+
+
+_DIRECTIONS = ("d2h", "h2d", "d2d")
+
+
+def record_copy_windows(enabled: bool = True) -> None:
+    """Start (or stop) recording a :class:`CopyWindow` per side-stream copy; clears the record.
+
+    Each stream counts the compute issued on it: an op of the CPU fallback, an Inductor kernel,
+    a copy between device blocks (one op each, and the bytes its operands span). A copy queued
+    on a side stream opens a window, which the first stream made to wait for it closes with the
+    compute issued on that stream meanwhile: on a device, what the copy can overlap.
+    """
+    _loaded().record_windows(enabled)
+
+
+def copy_windows() -> list[CopyWindow]:
+    """The windows recorded since :func:`record_copy_windows`, in the order of the copies."""
+    out = []
+    for w in _loaded().copy_windows():
+        closed = w["closed_by"]
+        stream = closed % (_STREAMS_PER_DEVICE)
+        out.append(CopyWindow(
+            direction=_DIRECTIONS[w["direction"]], bytes=w["bytes"], device=w["device"],
+            stream=w["stream"], queued_at_ops=w["queued_at_ops"],
+            closed_by="open" if closed == -2 else "host" if closed == -1 else f"stream {stream}",
+            ops=w["ops"], compute_bytes=w["compute_bytes"]))
+    return out
+
+
+_STREAMS_PER_DEVICE = 33  # the default stream and 32 side streams
+
+
+def compute_counts(device: int = 0, stream: int = 0) -> dict[str, int]:
+    """Compute issued on a stream of the device so far: ``ops`` and ``bytes`` (see
+    :func:`record_copy_windows`)."""
+    return dict(_loaded().compute_counts(device, stream))
 
 
 def pinned_stats() -> dict[str, int]:

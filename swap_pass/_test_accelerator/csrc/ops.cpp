@@ -173,6 +173,7 @@ uint64_t queue_copy(const at::Tensor& src, const at::Tensor& dst, int dev, Strea
     }
   }, true);
   const Position at{dev, stream, seq};
+  open_window(src_dev && dst_dev ? 2 : (src_dev ? 0 : 1), n, dev, stream, seq);
   if (src_dev) {
     note_read(src.storage(), span_of(src), at, true);
   } else {
@@ -220,6 +221,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     } else {
       std::memset(dst.data_ptr(), kPoison, self.nbytes());
     }
+    if (d2d) count_compute(dev, 0, 2 * self.nbytes());  // a copy kernel on the stream
     if (src_dev) {
       note_read(self.storage(), span_of(self), read_at, false);
     } else {
@@ -265,11 +267,28 @@ void record_stream_op(at::Tensor& self, c10::Stream stream) {
 
 // --- everything else: the CPU kernel, on CPU copies of the arguments ---------------------------
 
+// The op counts as compute on the current stream of its first device tensor (copy windows).
+void count_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const size_t n = op.schema().arguments().size();
+  uint64_t bytes = 0;
+  int dev = -1;
+  for (size_t i = stack.size() - std::min(n, stack.size()); i < stack.size(); ++i) {
+    const auto& arg = stack[i];
+    if (!arg.isTensor()) continue;
+    const at::Tensor& t = arg.toTensor();
+    if (!t.defined() || t.device().type() != kDevice) continue;
+    if (dev < 0) dev = device_index(t);
+    bytes += t.nbytes();
+  }
+  if (dev >= 0) count_compute(dev, current_stream_id(dev), bytes);
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   struct Depth {
     Depth() { ++fallback_depth; }
     ~Depth() { --fallback_depth; }
   } depth;
+  if (fallback_depth == 1) count_op(op, *stack);
   at::native::cpu_fallback(op, stack);
 }
 
@@ -282,11 +301,17 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // each argument's current stream (drained first), a read not ordered after its block's last write
 // gets poison in place and is counted, and every written block's last write is here.
 void kernel_barrier(const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes) {
+  uint64_t bytes = 0;
+  int counted = -1;
   for (const auto* group : {&reads, &writes}) {
     for (const auto& t : *group) {
-      if (t.device().type() == kDevice) drain(device_index(t), current_stream_id(device_index(t)));
+      if (t.device().type() != kDevice) continue;
+      drain(device_index(t), current_stream_id(device_index(t)));
+      if (counted < 0) counted = device_index(t);
+      bytes += t.nbytes();
     }
   }
+  if (counted >= 0) count_compute(counted, current_stream_id(counted), bytes);
   for (const auto& t : reads) {
     if (t.device().type() != kDevice || t.storage().nbytes() == 0) continue;
     const int dev = device_index(t);
@@ -353,6 +378,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& t) { return is_marked_not_resizable(t.storage()); });
   m.def("memory_stats", &memory_stats, py::arg("device"));
   m.def("set_memory_fraction", &set_memory_fraction, py::arg("device"), py::arg("fraction"));
+  m.def("record_windows", &record_windows, py::arg("enabled"));
+  m.def("copy_windows", &copy_windows);
+  m.def("compute_counts", &compute_counts, py::arg("device"), py::arg("stream"));
   m.def("total_memory", &total_memory);
   m.def("memory_info", &memory_info, py::arg("device"));
   m.def("pinned_stats", &pinned_stats);

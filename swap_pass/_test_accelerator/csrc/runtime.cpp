@@ -255,9 +255,66 @@ void stream_waits(int device, StreamId stream, const VectorClock& c) {
   merge(order_.streams[slot(device, stream)], c);
 }
 
+// --- copy windows: the compute that ran while a side-stream copy could run ---------------------
+//
+// Each stream counts the compute issued on it (ops, bytes its operands span). A copy queued on a
+// side stream opens a window; the first stream made to wait for it (an event covering it,
+// waited on) closes the window with the compute issued on that stream since the copy was
+// queued: what the copy can hide behind. A host wait covering it closes it with the compute
+// of every stream of the device.
+
+struct ComputeCount {
+  std::atomic<uint64_t> ops{0};
+  std::atomic<uint64_t> bytes{0};
+};
+std::array<ComputeCount, kSlots> compute_;
+
+struct Window {
+  int direction;  // 0: device to host, 1: host to device, 2: device to device
+  uint64_t nbytes;
+  int device;
+  StreamId stream;
+  uint64_t seq;
+  std::array<uint64_t, kSlots> ops_at{}, bytes_at{};  // each stream's count when queued
+  int closed_by = -2;  // -2: open; -1: the host; else the waiting stream's slot
+  uint64_t ops = 0, bytes = 0;
+};
+
+struct Windows {
+  std::mutex mutex;
+  std::atomic<bool> recording{false};
+  std::vector<Window> all;
+  size_t first_open = 0;
+};
+Windows windows_;
+
+void close_windows(const VectorClock& c, int waiter) {
+  if (!windows_.recording.load()) return;
+  std::lock_guard<std::mutex> lock(windows_.mutex);
+  for (size_t i = windows_.first_open; i < windows_.all.size(); ++i) {
+    Window& w = windows_.all[i];
+    if (w.closed_by != -2 || c[slot(w.device, w.stream)] < w.seq) continue;
+    if (waiter == slot(w.device, w.stream)) continue;
+    w.closed_by = waiter;
+    const int first = waiter >= 0 ? waiter : slot(w.device, 0);
+    const int last = waiter >= 0 ? waiter : slot(w.device, kSideStreams);
+    for (int s = first; s <= last; ++s) {
+      w.ops += compute_[s].ops.load() - w.ops_at[s];
+      w.bytes += compute_[s].bytes.load() - w.bytes_at[s];
+    }
+  }
+  while (windows_.first_open < windows_.all.size() &&
+         windows_.all[windows_.first_open].closed_by != -2) {
+    ++windows_.first_open;
+  }
+}
+
 void host_waited(const VectorClock& c) {
-  std::lock_guard<std::mutex> lock(order_.mutex);
-  merge(order_.host, c);
+  {
+    std::lock_guard<std::mutex> lock(order_.mutex);
+    merge(order_.host, c);
+  }
+  close_windows(c, -1);
 }
 
 }  // namespace
@@ -277,6 +334,52 @@ bool is_ordered(const Position& p, int device, StreamId reader) {
   const int s = slot(p.device, p.stream);
   std::lock_guard<std::mutex> lock(order_.mutex);
   return order_.streams[slot(device, reader)][s] >= p.seq || order_.host[s] >= p.seq;
+}
+
+void count_compute(int device, StreamId stream, uint64_t bytes) {
+  ComputeCount& c = compute_[slot(device, stream)];
+  c.ops.fetch_add(1);
+  c.bytes.fetch_add(bytes);
+}
+
+void open_window(int direction, uint64_t nbytes, int device, StreamId stream, uint64_t seq) {
+  if (!windows_.recording.load() || stream == 0) return;
+  Window w{direction, nbytes, device, stream, seq};
+  for (int s = 0; s < kSlots; ++s) {
+    w.ops_at[s] = compute_[s].ops.load();
+    w.bytes_at[s] = compute_[s].bytes.load();
+  }
+  std::lock_guard<std::mutex> lock(windows_.mutex);
+  windows_.all.push_back(w);
+}
+
+void record_windows(bool enabled) {
+  std::lock_guard<std::mutex> lock(windows_.mutex);
+  windows_.all.clear();
+  windows_.first_open = 0;
+  windows_.recording.store(enabled);
+}
+
+std::vector<std::unordered_map<std::string, int64_t>> copy_windows() {
+  std::lock_guard<std::mutex> lock(windows_.mutex);
+  std::vector<std::unordered_map<std::string, int64_t>> out;
+  for (const auto& w : windows_.all) {
+    out.push_back({{"direction", w.direction},
+                   {"bytes", static_cast<int64_t>(w.nbytes)},
+                   {"device", w.device},
+                   {"stream", w.stream},
+                   {"queued_at_ops", static_cast<int64_t>(w.ops_at[slot(w.device, 0)])},
+                   {"closed_by", w.closed_by},
+                   {"ops", static_cast<int64_t>(w.ops)},
+                   {"compute_bytes", static_cast<int64_t>(w.bytes)}});
+  }
+  return out;
+}
+
+std::unordered_map<std::string, int64_t> compute_counts(int device, StreamId stream) {
+  const ComputeCount& c = compute_[slot(device, stream)];
+  return {{"ops", static_cast<int64_t>(c.ops.load())},
+          {"bytes", static_cast<int64_t>(c.bytes.load())}};
 }
 
 void set_order_check(bool enabled) { order_.enabled.store(enabled); }
@@ -424,6 +527,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     StreamId waiter = stream.id();
     enqueue(dev, waiter, [=] { wait_on_behalf(dev, waiter, src_dev, src, seq); }, false);
     stream_waits(dev, waiter, e->clock);
+    close_windows(e->clock, slot(dev, waiter));
   }
   // A query that answers True orders the host after the event, as on CUDA: work the host
   // queues afterwards is ordered after it.

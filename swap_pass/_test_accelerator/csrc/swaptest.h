@@ -18,6 +18,7 @@
 #include <functional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace swaptest {
 
@@ -76,6 +77,19 @@ bool is_ordered(const Position& p, int device, StreamId reader);
 // `waiter` waits, in its order, for the work at `p` (as an event recorded there and waited on).
 void stream_waits_for(int device, StreamId waiter, const Position& p);
 void set_order_check(bool enabled);
+
+// --- copy windows (runtime.cpp) ---------------------------------------------------------------
+
+// Compute issued on a stream (an op, a kernel, a copy between device blocks on it): one op and the
+// bytes its operands span.
+void count_compute(int device, StreamId stream, uint64_t bytes);
+// A copy queued on a side stream at `seq` (direction 0: to the host, 1: to the device, 2: device
+// to device): its window is the compute issued on the first stream made to wait for it, from
+// now to that wait (or on every stream of the device, when the host waits first).
+void open_window(int direction, uint64_t nbytes, int device, StreamId stream, uint64_t seq);
+void record_windows(bool enabled);  // clears what was recorded
+std::vector<std::unordered_map<std::string, int64_t>> copy_windows();
+std::unordered_map<std::string, int64_t> compute_counts(int device, StreamId stream);
 bool order_check();
 
 // --- memory (memory.cpp) -----------------------------------------------------------------------
