@@ -20,8 +20,7 @@ from .conftest import needs_test_accelerator
 pytestmark = needs_test_accelerator
 
 LAYER_INPUT_WAYS = ["enable", "decorators", "apply_swap_pass", "swap_backend[aot_eager]",
-                    "compile_layers",
-                    pytest.param("swap_backend[inductor]", marks=pytest.mark.slow)]
+                    "compile_layers", "swap_backend[inductor]"]
 EAGER_PROTOCOL = {"enable", "decorators", "apply_swap_pass", "compile_layers"}
 
 

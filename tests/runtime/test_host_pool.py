@@ -217,6 +217,7 @@ def test_evicted_buffers_die_outside_the_pool_lock(how) -> None:
 # --- pinned buffers (an accelerator only) ----------------------------------------------------
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not HAS_ACCELERATOR, reason=NO_ACCELERATOR_REASON)
 def test_pinned_buffers_count_their_block_and_reset_returns_them() -> None:
     pool = host_pool()
