@@ -22,7 +22,8 @@ Mutations (default: all):
   late_compute_stream   SwapTensors' compute stream waits go to the stream current at each wait,
                   not to the one fixed when the swap began
   entry_stream    (device only) the eager layer protocol no longer reads the compute stream at
-                  the layer's entry: the swap takes the stream current after the forward
+                  the layer's entry: each swap takes the stream current when it begins (the
+                  copy again, after the forward, of an input the layer wrote in place)
 With ``--device`` the tests run on the test accelerator instead (``SWAP_PASS_TEST_ACCELERATOR=1``:
 the CPU-backed PrivateUse1 device of ``swap_pass.testing.load_test_accelerator``, whose side-stream
 copies really run later): only the tests that run on the device (marked ``accelerator``), by

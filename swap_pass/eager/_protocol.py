@@ -6,8 +6,8 @@ Its steps (free after the next layer, restore before backward) are the runtime's
 Graph pattern (layer ``i`` of ``L``, one micro-batch)::
 
     forward:  x_i -> layer_i -> out_i
-                     after it ran: group_i = swap_out(x_i)         (not for the last layer)
-                                   free(groups of layer i-1 in "d2h" that are guarded)
+                     at its entry: group_i = swap_out(x_i)         (not for the last layer)
+                     after it ran: free(groups of layer i-1 in "d2h" that are guarded)
     backward: grad(out_i) -> [guard_i: restore(group_i); restore(group_{i-1});
                               prefetch(group_{i-2})] -> layer_i backward
 
@@ -359,27 +359,53 @@ def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
     return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
 
 
+# Note: [The copy out starts at the layer's entry]
+# A layer input's copy to the host starts when the layer is entered, on the d2h stream, while
+# the layer's own forward runs; the compute stream waits for it when the input is freed, after
+# the next layer ran. Its window is two layers' forward (measured on the test accelerator:
+# ``docs/graph.md``, "Copy windows"); starting it when the layer returns gave one, at the same
+# memory (the input lives through its own layer anyway). The copy reads the input as it was at
+# the entry: when the layer wrote it in place (its version moved on), or nothing keeps it for
+# backward after all, the started group goes back to the device and, if the input is kept, a
+# new copy starts from what the layer left, as before.
+
+
+def _start_at_entry(manager: SwapLayerInputManager, claimed: list[torch.Tensor],
+                    entry_stream: torch.Stream | None) -> tuple[SwapTensors | None, int]:
+    """Start the claimed input's copy out at the layer's entry (Note: [The copy out starts at
+    the layer's entry]); return the group and the input's version then."""
+    if not claimed:
+        return None, 0
+    _wait_oldest_copies(manager.copying_earlier(), manager.config)
+    group = manager.swap_out(claimed, copy_span=True, compute_stream=entry_stream)
+    return group, claimed[0]._version
+
+
 def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
                         claimed: list[torch.Tensor], result: Any, api: str,
                         grad_at_entry: bool, since: int,
-                        entry_stream: torch.Stream | None = None) -> None:
+                        entry_stream: torch.Stream | None = None,
+                        started: tuple[SwapTensors | None, int] = (None, 0)) -> None:
     if grad_at_entry:
         outputs = grad_outputs(result, api)
         kept = bool(outputs) or hidden_states.requires_grad
     else:  # outputs' graphs are the checkpoint's to discard (Note: [Grad mode at layer entry])
         _mark_region_outputs(result, api)
         outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
+    group, version = started
+    if group is not None and (not kept or claimed[0]._version != version):
+        manager.wait_swap_in(group)  # stale or unneeded: see the Note above
+        group = None
     earlier = manager.copying_earlier()
     roots = [*outputs, hidden_states]  # the input last: walked first (Note: [Ownership rule])
     if not kept:  # inference, or inside a checkpointed region: nothing keeps the input; a group
         free_previous(earlier, roots, abandon=False)  # the region started waits for the next
         return
     previous = _in_flight_out(earlier, manager.previous)  # before free_previous frees it
-    if claimed:  # its compute stream: the one current at the layer's entry
+    if group is None and claimed:  # its compute stream: the one current at the layer's entry
         _wait_oldest_copies(earlier, manager.config)
         group = manager.swap_out(claimed, copy_span=True, compute_stream=entry_stream)
-    else:
-        group = None
+    elif group is None:
         if not manager.is_last_layer and swap_allowed():  # counted by reason by the claim
             _miss(manager)
     if group is not None:
@@ -415,10 +441,11 @@ def run_layer(layer: torch.nn.Module, call: Callable[..., Any], args: tuple, kwa
         guard_previous_on_input(manager, hidden_states)
         claimed = _claim_input(manager, hidden_states, grad_at_entry)
         entry_stream = entry_compute_stream(hidden_states) if claimed else None
+        started = _start_at_entry(manager, claimed, entry_stream)
         since = autograd_mark()
         result = call(*args, **kwargs)
         _swap_after_forward(manager, hidden_states, claimed, result, api, grad_at_entry, since,
-                            entry_stream)
+                            entry_stream, started)
         if manager.is_last_layer:
             abandon_unguarded_earlier(manager)
             if manager.chain.missed:

@@ -104,9 +104,10 @@ def swap_layer_input_init_wrapper(fn: Callable[..., None]) -> Callable[..., None
 def swap_layer_input_forward_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a layer's ``forward``: swap its ``hidden_states`` input between layers.
 
-    After the layer ran, its input's device-to-host copy starts (not for the last layer) and
-    the previous layer's input is freed; a gradient hook on the outputs waits for the input's
-    host-to-device copy before any backward reader and prefetches the previous layer's input.
+    When the layer is entered, its input's device-to-host copy starts (not for the last layer);
+    after the layer ran, the previous layer's input is freed; a gradient hook on the outputs
+    waits for the input's host-to-device copy before any backward reader and prefetches the
+    previous layer's input.
     Layers without a manager (MTP layers) run unchanged.
 
     Raises:

@@ -1,9 +1,10 @@
 """Copy windows on the test accelerator: the compute each side-stream copy can hide behind.
 
 Every way in that swaps layer inputs starts each copy out at least one layer's forward before
-the compute stream waits for it, and each prefetch at least one layer's backward before its
-reader; the one copy back that is not a prefetch (the eager protocol's restore at the first
-guard of a backward) is counted apart. Measured in each way's own layers
+the compute stream waits for it (the eager protocol two: Note: [The copy out starts at the
+layer's entry] in ``swap_pass/eager/_protocol.py``), and each prefetch at least one layer's
+backward before its reader; the one copy back that is not a prefetch (the eager protocol's
+restore at the first guard of a backward) is counted apart. Measured in each way's own layers
 (``swap_pass/bench/windows.py``).
 """
 
@@ -21,7 +22,8 @@ pytestmark = needs_test_accelerator
 
 LAYER_INPUT_WAYS = ["enable", "decorators", "apply_swap_pass", "swap_backend[aot_eager]",
                     "compile_layers", "swap_backend[inductor]"]
-EAGER_PROTOCOL = {"enable", "decorators", "apply_swap_pass", "compile_layers"}
+EAGER_PROTOCOL = {"enable", "decorators", "compile_layers"}  # run_layer in eager/_protocol.py
+RESTORE_FIRST = EAGER_PROTOCOL | {"apply_swap_pass"}  # the backward's first copy back at once
 
 
 def test_a_window_counts_the_compute_issued_on_the_stream_that_waits(long_delay) -> None:
@@ -59,7 +61,8 @@ def test_every_layer_input_copy_hides_behind_at_least_one_layer(dev, way: str) -
     # One op of slack: Inductor may fuse a layer's last kernel with the next code (the last
     # layer's residual add into the head's norm), one kernel fewer than the layers' spacing.
     fwd, bwd = row.layer_ops
-    assert min(row.d2h) >= 1.0 - 1.0 / fwd, row
+    layers_out = 2 if way in EAGER_PROTOCOL else 1
+    assert min(row.d2h) >= layers_out - 1.0 / fwd, row
     assert min(row.prefetches) >= 1.0 - 1.0 / bwd, row
     restores = len(row.h2d) - len(row.prefetches)
-    assert restores == (1 if way in EAGER_PROTOCOL else 0), row
+    assert restores == (1 if way in RESTORE_FIRST else 0), row

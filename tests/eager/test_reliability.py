@@ -330,6 +330,61 @@ def test_in_place_write_to_a_swapped_input_is_caught_and_named():
     assert_clean()  # every group was put back before the error propagated
 
 
+class _ScalesItsInput(nn.Module):
+    """A layer that writes its input in place before reading it (allowed by autograd: nothing
+    saved the input before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return torch.sin(self.lin(x))  # SinBackward saves its input, not this output
+
+
+class _InPlaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_ScalesItsInput() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h.square().sum()
+
+
+def test_a_layer_writing_its_input_in_place_is_copied_from_what_it_left(device):
+    """The copy out starts at the layer's entry; a layer that then writes its input in place
+    makes that copy stale, so the input is copied again after the layer ran (Note: [The copy out
+    starts at the layer's entry]). Exact against the same model without swap, inputs freed."""
+    import weakref
+
+    torch.manual_seed(0)
+    ref = _InPlaceNet().to(device)
+    model = _InPlaceNet().to(device)
+    model.load_state_dict(ref.state_dict())
+    handle = swap_pass.enable_swap_layer_input(model)
+    assert handle.layers == list(model.layers)
+    inputs, freed = [], []  # weak: a reference of ours would keep the input on the device
+    for layer in model.layers[:2]:
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    model.layers[2].register_forward_pre_hook(lambda m, args: freed.extend(
+        r().untyped_storage().nbytes() == 0 for r in inputs))
+    x = torch.randn(4, 16, device=device)
+    loss, ref_loss = model(x), ref(x)
+    assert freed == [True, False]  # layer 0's input left the device by layer 2's entry
+    assert torch.equal(loss, ref_loss)
+    loss.backward()
+    ref_loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    handle.remove()
+    assert_clean()
+
+
 def test_subclass_setting_is_mtp_after_super_init_leaves_no_orphan():
     class MTPLayer(SwapLlamaLayer):
         @swap_pass.swap_layer_input_init_wrapper
