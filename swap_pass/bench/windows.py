@@ -12,9 +12,9 @@ tensors, is counted in the layers of the eager protocol, whose ops it runs. Unde
 layer's count of kernels may differ by one where a kernel fuses across a layer boundary.
 
 The first copy back of a backward in the eager protocol (``enable``, the decorators,
-``compile_layers``) and in ``apply_swap_pass`` is a restore, not a prefetch: the last swapped layer input is read by the first guard of the backward
-(Note: [Readers outside the layer] in ``swap_pass/eager/_protocol.py``), and its window is empty.
-``prefetches`` leaves it out.
+``compile_layers``) and in ``apply_swap_pass`` is a restore, not a prefetch: the last swapped
+layer input is read by the first guard of the backward (Note: [Readers outside the layer] in
+``swap_pass/eager/_protocol.py``), and its window is empty. ``prefetches`` leaves it out.
 """
 
 from __future__ import annotations

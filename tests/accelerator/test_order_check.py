@@ -294,6 +294,10 @@ def test_the_cap_frees_cached_blocks_before_it_refuses(capped) -> None:
     assert device_knobs.memory_stats(0)["reserved_bytes"] <= 64 << 20
 
 
-def test_the_cap_rejects_a_fraction_out_of_range(dev) -> None:
+def test_the_cap_rejects_a_fraction_out_of_range_and_an_unknown_device(dev) -> None:
     with pytest.raises(RuntimeError, match=r"fraction must be in \[0, 1\]"):
         torch.swaptest.set_per_process_memory_fraction(1.5, 0)
+    with pytest.raises(RuntimeError, match=r"no device 5 \(2 devices\)"):
+        torch.swaptest.set_per_process_memory_fraction(0.5, 5)
+    with pytest.raises(RuntimeError, match=r"no device 5 \(2 devices\)"):
+        torch.swaptest.mem_get_info(5)

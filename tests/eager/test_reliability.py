@@ -356,6 +356,7 @@ class _InPlaceNet(nn.Module):
         return h.square().sum()
 
 
+@pytest.mark.unordered_on_purpose  # the layer's write races the stale copy, whose bytes go unused
 def test_a_layer_writing_its_input_in_place_is_copied_from_what_it_left(device):
     """The copy out starts at the layer's entry; a layer that then writes its input in place
     makes that copy stale, so the input is copied again after the layer ran (Note: [The copy out

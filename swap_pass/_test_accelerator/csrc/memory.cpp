@@ -635,7 +635,13 @@ void note_host_access(const void* ptr, size_t nbytes, const Position& at, bool w
   host_allocator_.note_access(ptr, nbytes, at, write);
 }
 
+void check_device_index(int device, const char* api) {
+  TORCH_CHECK(device >= 0 && device < kNumDevices, "swaptest.", api, ": no device ", device,
+              " (", kNumDevices, " devices). A device index must be in [0, ", kNumDevices, ").");
+}
+
 void set_memory_fraction(int device, double fraction) {
+  check_device_index(device, "set_per_process_memory_fraction");
   TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "swaptest.set_per_process_memory_fraction: "
               "fraction must be in [0, 1] (got ", fraction, ").");
   device_allocator_.set_memory_fraction(device, fraction);
@@ -644,6 +650,7 @@ void set_memory_fraction(int device, double fraction) {
 int64_t total_memory() { return kTotalBytes; }
 
 std::pair<size_t, size_t> memory_info(int device) {
+  check_device_index(device, "mem_get_info");
   return device_allocator_.getMemoryInfo(static_cast<c10::DeviceIndex>(device));
 }
 

@@ -101,12 +101,12 @@ Span span_of(const at::Tensor& t) {
 
 // A read of a device tensor by work on (dev, reader), checked now (see the order of work in
 // runtime.cpp): one not ordered after the last write of its bytes is counted (the caller gives it
-// poison). `at`: where the read is, noted for the write-after-read checks of later writes.
+// poison, and notes the read for the write-after-read checks of later writes).
 bool read_device(const at::Tensor& t, int dev, StreamId reader) {
   return check_read(t.storage(), span_of(t), dev, reader);
 }
 
-// A read or write of pinned host memory by a copy, where `t` is the host side of the copy.
+// The same for a copy's read of pinned host memory (`t`, the host side of the copy).
 bool read_host(const at::Tensor& t, int dev, StreamId stream) {
   return check_host_read(t.data_ptr(), t.nbytes(), dev, stream);
 }
@@ -173,7 +173,9 @@ uint64_t queue_copy(const at::Tensor& src, const at::Tensor& dst, int dev, Strea
     }
   }, true);
   const Position at{dev, stream, seq};
-  open_window(src_dev && dst_dev ? 2 : (src_dev ? 0 : 1), n, dev, stream, seq);
+  if (fallback_depth == 0) {  // a copy of its own, not part of a compute op on a side stream
+    open_window(src_dev && dst_dev ? 2 : (src_dev ? 0 : 1), n, dev, stream, seq);
+  }
   if (src_dev) {
     note_read(src.storage(), span_of(src), at, true);
   } else {
