@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LlamaConfig", "LlamaDecoderLayer", "LlamaStyleModel", "make_batch"]
+__all__ = ["LlamaConfig", "LlamaDecoderLayer", "LlamaStyleModel", "TraceableLlama", "make_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +141,25 @@ class LlamaStyleModel(nn.Module):
         logits = self.lm_head(self.norm(h)).float()
         if labels is None:
             return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class TraceableLlama(nn.Module):
+    """``LlamaStyleModel`` with the rotary tables as inputs, so ``torch.fx.symbolic_trace`` can
+    trace it: ``forward(input_ids, cos, sin, labels) -> loss``, the layers run without
+    checkpointing."""
+
+    def __init__(self, model: LlamaStyleModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        h = m.embed(input_ids)
+        for layer in m.layers:
+            h = layer(h, cos, sin)
+        logits = m.lm_head(m.norm(h)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 

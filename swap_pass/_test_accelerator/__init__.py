@@ -391,6 +391,7 @@ class CopyWindow:
 
 
 _DIRECTIONS = ("d2h", "h2d", "d2d")
+_STREAMS_PER_DEVICE = 33  # the default stream and 32 side streams
 
 
 def record_copy_windows(enabled: bool = True) -> None:
@@ -409,7 +410,7 @@ def copy_windows() -> list[CopyWindow]:
     out = []
     for w in _loaded().copy_windows():
         closed = w["closed_by"]
-        stream = closed % (_STREAMS_PER_DEVICE)
+        stream = closed % _STREAMS_PER_DEVICE
         out.append(CopyWindow(
             direction=_DIRECTIONS[w["direction"]], bytes=w["bytes"], device=w["device"],
             stream=w["stream"], queued_at_ops=w["queued_at_ops"],
@@ -417,8 +418,6 @@ def copy_windows() -> list[CopyWindow]:
             ops=w["ops"], compute_bytes=w["compute_bytes"]))
     return out
 
-
-_STREAMS_PER_DEVICE = 33  # the default stream and 32 side streams
 
 
 def compute_counts(device: int = 0, stream: int = 0) -> dict[str, int]:

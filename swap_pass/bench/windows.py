@@ -24,10 +24,14 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from swap_pass.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
+from swap_pass.models import (
+    LlamaConfig,
+    LlamaDecoderLayer,
+    LlamaStyleModel,
+    TraceableLlama,
+    make_batch,
+)
 
 __all__ = ["WAYS", "WindowRow", "format_windows", "measure_windows"]
 
@@ -55,22 +59,6 @@ class WindowRow:
     prefetches: list[float]
     layer_ops: tuple[float, float]
     note: str = ""
-
-
-class _Traceable(nn.Module):
-    """``LlamaStyleModel`` with the rotary tables as inputs, for ``torch.fx.symbolic_trace``."""
-
-    def __init__(self, model: LlamaStyleModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, cos, sin, labels):
-        m = self.model
-        h = m.embed(input_ids)
-        for layer in m.layers:
-            h = layer(h, cos, sin)
-        logits = m.lm_head(m.norm(h)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _decorated(model: LlamaStyleModel) -> LlamaStyleModel:
@@ -102,7 +90,7 @@ def _traced_forward(model: LlamaStyleModel) -> Callable:
     """``apply_swap_pass`` on the traced model, called as the model is."""
     import swap_pass
 
-    gm = swap_pass.apply_swap_pass(torch.fx.symbolic_trace(_Traceable(model)))
+    gm = swap_pass.apply_swap_pass(torch.fx.symbolic_trace(TraceableLlama(model)))
 
     def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         seq = ids.shape[1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
+from swap_pass import models
 from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
@@ -27,20 +27,8 @@ def batch(model: LlamaStyleModel, seq: int = SEQ, seed: int = 0):
     return make_batch(model.cfg, BATCH, seq, seed=seed, device=model.embed.weight.device)
 
 
-class TraceableLlama(torch.nn.Module):
-    """``LlamaStyleModel`` with the rotary tables as inputs, so ``symbolic_trace`` can trace it."""
-
-    def __init__(self, model: LlamaStyleModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, cos, sin, labels):
-        m = self.model
-        h = m.embed(input_ids)
-        for layer in m.layers:
-            h = layer(h, cos, sin)
-        logits = m.lm_head(m.norm(h)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+class TraceableLlama(models.TraceableLlama):
+    """The library's traceable Llama, with the inputs of a test batch."""
 
     def inputs(self, seq: int = SEQ, seed: int = 0):
         ids, labels = batch(self.model, seq, seed)
