@@ -16,7 +16,7 @@ import torch
 
 import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 CFG = LlamaConfig(hidden_size=64, num_layers=4, num_heads=4, intermediate_size=176)
 

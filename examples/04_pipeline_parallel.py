@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.utils.checkpoint import checkpoint
 
 import swap_pass
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 CFG = LlamaConfig(hidden_size=64, num_layers=8, num_heads=4, intermediate_size=176)
 BATCH, SEQ, MICRO_BATCHES = 8, 128, 4

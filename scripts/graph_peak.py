@@ -29,7 +29,7 @@ import torch
 
 import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
+from swap_pass.tools.bench.hf_llama_peak import hf_llama_step_peak
 
 
 def _run(args, backend, checkpoint: bool):
@@ -95,7 +95,7 @@ def _row(args, row, x_bytes: int) -> dict:
 
 
 def _meta(args) -> dict:
-    from swap_pass.bench.run import describe_machine, source_build
+    from swap_pass.tools.bench.run import describe_machine, source_build
 
     return {"command": shlex.join(["python", "scripts/graph_peak.py", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

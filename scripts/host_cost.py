@@ -1,7 +1,7 @@
 """Where the host time of a swap goes: one tool, four ways of looking, for maintainers.
 
 ``swap-pass bench`` prints the figure users read: the host CPU time each way of keeping
-activations adds per layer (``swap_pass.bench.host_cost``: tiny checkpointed layers, compute
+activations adds per layer (``swap_pass.tools.bench.host_cost``: tiny checkpointed layers, compute
 negligible). This tool takes the same model and the same methods (``HOST_METHODS``, the bench's
 own builders) apart, one mode at a time:
 
@@ -61,15 +61,15 @@ from collections.abc import Callable
 import torch
 
 import swap_pass
-from swap_pass.bench import host_cost
-from swap_pass.bench.host_cost import (
+from swap_pass.tools.bench import host_cost
+from swap_pass.tools.bench.host_cost import (
     HOST_METHODS,
     HostCostModel,
     MinimalSwapForward,
     cpu_time,
     isolated_step,
 )
-from swap_pass.bench.measure import intra_op_threads
+from swap_pass.tools.bench.measure import intra_op_threads
 
 SHORT = {"plain": "no swap", "save_on_cpu": "torch save_on_cpu",
          "copying": "torch save_on_cpu (copying)",
@@ -107,7 +107,7 @@ def time_mode(layers: int = 32, rounds: int = 60, names: list[str] | None = None
 
 
 def _print_time(found: dict) -> None:
-    from swap_pass.bench.report import _host_lines
+    from swap_pass.tools.bench.report import _host_lines
 
     print("\n".join(_host_lines(found)[1:]))
 
@@ -492,7 +492,7 @@ def run(argv: list[str]) -> dict:
 
 
 def _meta(argv: list[str]) -> dict:
-    from swap_pass.bench.run import describe_machine, source_build
+    from swap_pass.tools.bench.run import describe_machine, source_build
 
     return {"command": shlex.join(["python", "scripts/host_cost.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -25,9 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swap_pass.bench import megatron as bench_megatron  # noqa: E402 - after the path
-from swap_pass.bench.measure import intra_op_threads  # noqa: E402
-from swap_pass.bench.run import describe_machine, load_average, source_build  # noqa: E402
+from swap_pass.tools.bench import megatron as bench_megatron  # noqa: E402 - after the path
+from swap_pass.tools.bench.measure import intra_op_threads  # noqa: E402
+from swap_pass.tools.bench.run import describe_machine, load_average, source_build  # noqa: E402
 from tests.integrations import megatron_cpu  # noqa: E402
 
 SIZES = bench_megatron.MegatronBenchSizes(num_layers=4, hidden=64, heads=4, ffn=128, vocab=128,

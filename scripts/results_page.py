@@ -7,7 +7,7 @@ Each table on the page sits between two marker comments naming its section::
     <!-- /results_page: bench-methods -->
 
 and is made from one command's ``--json`` output, with the cells the command itself prints
-(``swap_pass.bench.report``'s sections), the command, its date, machine and build. So a figure
+(``swap_pass.tools.bench.report``'s sections), the command, its date, machine and build. So a figure
 on the page is always one a command printed, beside that command. Text outside the markers is
 left as it is. Sections whose JSON is not given are left as they are.
 
@@ -52,8 +52,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from swap_pass.bench.harness import MethodResult
-from swap_pass.bench.report import (
+from swap_pass.tools.bench.harness import MethodResult
+from swap_pass.tools.bench.report import (
     Section,
     anchor_line,
     headline_section,

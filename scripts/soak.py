@@ -31,8 +31,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import swap_pass  # noqa: E402
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch  # noqa: E402
-from swap_pass.runtime.manager import SwapLayerInputManager  # noqa: E402
+from swap_pass.runtime.chain import SwapLayerInputManager  # noqa: E402
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch  # noqa: E402
 
 
 class SoakViolation(AssertionError):

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Show that the stream-model checker catches deleted stream waits: mutate a copy, run the tests.
+"""Show that the test accelerator catches deleted stream waits: mutate a copy, run the tests.
 
 Each mutation deletes one kind of ordering from a temporary copy of the working tree and runs
-the given tests there under the CPU stream model (``SWAP_PASS_STREAM_MODEL=1``); the swap tests
-must then fail. ``none`` runs the same tests unmutated (they must pass).
+the given tests there on the test accelerator (``SWAP_PASS_TEST_ACCELERATOR=1``: the CPU-backed
+PrivateUse1 device of ``swap_pass.testing.load_test_accelerator``, whose side-stream copies really
+run later and whose order check counts every unordered read, write or free); only the tests that
+run on the device (marked ``accelerator``, not ``slow``), by default those of
+``tests/accelerator tests/runtime``. The tests must then fail. ``none`` runs the same tests
+unmutated (they must pass).
 
-    python3 scripts/stream_mutations.py [--tests PATH ...] [MUTATION ...]
+    python3 scripts/stream_mutations.py [MUTATION ...] [--tests PATH ...]
 
 Mutations (default: all):
   producer_waits  the side streams no longer wait on the compute stream before a copy
@@ -21,19 +25,13 @@ Mutations (default: all):
                   names) and takes the stream current when the swap begins
   late_compute_stream   SwapTensors' compute stream waits go to the stream current at each wait,
                   not to the one fixed when the swap began
-  entry_stream    (device only) the eager layer protocol no longer reads the compute stream at
-                  the layer's entry: each swap takes the stream current when it begins (the
-                  copy again, after the forward, of an input the layer wrote in place)
-With ``--device`` the tests run on the test accelerator instead (``SWAP_PASS_TEST_ACCELERATOR=1``:
-the CPU-backed PrivateUse1 device of ``swap_pass.testing.load_test_accelerator``, whose side-stream
-copies really run later): only the tests that run on the device (marked ``accelerator``), by
-default those of ``tests/accelerator tests/runtime``.
-Device-only mutations run with ``--device`` only (unless named): the stream model cannot see
-them, since it takes a block's allocating stream to be the compute stream current where the
-storage first met it, which is the very stream such a mutation orders on.
+  entry_stream    the eager layer protocol no longer reads the compute stream at the layer's
+                  entry: each swap takes the stream current when it begins (the copy again,
+                  after the forward, of an input the layer wrote in place)
+``--device`` is accepted and changes nothing: the device is the only mode (the CPU stream model
+these runs once also used is retired; docs/reliability.md, section 8).
 Prints one line per mutation: the pytest summary and whether it failed as it must.
-Exit status: 0 when every mutation failed its tests and ``none`` passed (a device-only mutation
-named under the model is reported, not judged).
+Exit status: 0 when every mutation failed its tests and ``none`` passed.
 """
 
 from __future__ import annotations
@@ -48,7 +46,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ST = "swap_pass/runtime/swap_tensors.py"
+ST = "swap_pass/runtime/group.py"
+STORAGES = "swap_pass/runtime/storages.py"
 OPS = "swap_pass/graph/ops.py"
 PROTOCOL = "swap_pass/eager/_protocol.py"
 
@@ -56,11 +55,12 @@ PROTOCOL = "swap_pass/eager/_protocol.py"
 MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
     "none": [],
     "producer_waits": [
-        (ST, "        ds.wait(stream, ds.record_event(compute))\n", "        pass\n", 1),
+        (STORAGES, "        ds.wait(stream, ds.record_event(compute))\n", "        pass\n", 1),
         (OPS, "    ds.wait(stream, ready)\n", "", 2),
     ],
     "h2d_producer_wait": [
-        (ST, "    if stream is not None:\n        ds.wait(stream, ds.record_event(compute))\n",
+        (STORAGES,
+         "    if stream is not None:\n        ds.wait(stream, ds.record_event(compute))\n",
          "    if stream is not None and to_host:\n"
          "        ds.wait(stream, ds.record_event(compute))\n", 1),
         (OPS, "    stream = ds.h2d_stream()\n    ds.wait(stream, ready)\n",
@@ -76,9 +76,9 @@ MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
         (OPS, "host_pool().release(buf, event)", "host_pool().release(buf)", 1),
     ],
     "abandon_wait": [
-        (ST, "        self._wait_on_compute(self._event)\n"
+        (ST, "            self._wait_on_compute(self._event)\n"
              "        self._release_host_buffers(self._event)\n",
-         "        self._release_host_buffers(self._event)\n", 1),
+         "            pass\n        self._release_host_buffers(self._event)\n", 1),
     ],
     "death_waits": [
         (OPS, "    if not transfer.ordered:\n        _order_compute_after(transfer)\n",
@@ -99,9 +99,7 @@ MUTATIONS: dict[str, list[tuple[str, str, str, int]]] = {
          "entry_stream = None", 1),
     ],
 }
-DEVICE_ONLY = {"entry_stream"}
-DEFAULT_TESTS = ["tests/runtime", "tests/graph/test_ops.py"]
-DEVICE_TESTS = ["tests/accelerator", "tests/runtime"]
+DEFAULT_TESTS = ["tests/accelerator", "tests/runtime"]
 
 
 def _copy_tree(dst: Path) -> None:
@@ -125,23 +123,19 @@ def _mutate(tree: Path, edits: list[tuple[str, str, str, int]]) -> None:
         path.write_text(source.replace(text, replacement))
 
 
-def run(mutation: str, tests: list[str], device: bool = False) -> tuple[bool | None, str]:
-    """Run ``tests`` on a mutated copy (under the stream model, or on the test accelerator when
-    ``device``); return (as expected, or None when not judged; pytest's summary line)."""
+def run(mutation: str, tests: list[str]) -> tuple[bool, str]:
+    """Run the device tests among ``tests`` on a mutated copy of the tree; return (as expected,
+    pytest's summary line)."""
     with tempfile.TemporaryDirectory(prefix="swap_pass_mutation_") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
         _mutate(tree, MUTATIONS[mutation])
-        mode = "SWAP_PASS_TEST_ACCELERATOR" if device else "SWAP_PASS_STREAM_MODEL"
-        env = {**os.environ, "PYTHONPATH": str(tree), mode: "1"}
-        marks = "accelerator and not slow" if device else "not slow"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", marks, "-p",
-                               "no:cacheprovider", *tests], cwd=tree, env=env, capture_output=True,
-                              text=True)
+        env = {**os.environ, "PYTHONPATH": str(tree), "SWAP_PASS_TEST_ACCELERATOR": "1"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m",
+                               "accelerator and not slow", "-p", "no:cacheprovider", *tests],
+                              cwd=tree, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
     summary = lines[-1].strip("= ") if lines else proc.stdout[-300:] + proc.stderr[-300:]
-    if mutation in DEVICE_ONLY and not device:
-        return None, summary
     expected = proc.returncode == 0 if mutation == "none" else proc.returncode == 1
     return expected, summary
 
@@ -149,23 +143,20 @@ def run(mutation: str, tests: list[str], device: bool = False) -> tuple[bool | N
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mutations", nargs="*", help=f"some of {list(MUTATIONS)}; default: all")
-    parser.add_argument("--tests", nargs="+", default=None)
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS,
+                        help=f"test paths (default: {' '.join(DEFAULT_TESTS)})")
     parser.add_argument("--device", action="store_true",
-                        help="run on the test accelerator instead of the stream model")
+                        help="accepted for old command lines; the device is the only mode")
     args = parser.parse_args()
-    args.tests = args.tests or (DEVICE_TESTS if args.device else DEFAULT_TESTS)
     unknown = set(args.mutations) - set(MUTATIONS)
     if unknown:
         parser.error(f"unknown mutation(s) {sorted(unknown)}; choose from {list(MUTATIONS)}")
-    args.mutations = args.mutations or [m for m in MUTATIONS
-                                        if args.device or m not in DEVICE_ONLY]
     ok = True
-    for mutation in args.mutations:
-        expected, summary = run(mutation, args.tests, args.device)
-        ok &= expected is not False
-        verdict = ("device only: not judged under the model" if expected is None
-                   else "as it must" if expected else "NOT AS IT MUST")
-        print(f"{mutation}: {summary} ({verdict})", flush=True)
+    for mutation in args.mutations or list(MUTATIONS):
+        expected, summary = run(mutation, args.tests)
+        ok &= expected
+        print(f"{mutation}: {summary} ({'as it must' if expected else 'NOT AS IT MUST'})",
+              flush=True)
     return 0 if ok else 1
 
 

@@ -61,7 +61,7 @@ class SwapConfig:
     max_copies_in_flight: int | None = None
 
     def __post_init__(self) -> None:
-        _check_size("max_host_bytes", self.max_host_bytes, allow_none=True)
+        _check_int("max_host_bytes", self.max_host_bytes, 0, allow_none=True)
         try:
             policy = OnHostExhausted(self.on_host_exhausted)
         except ValueError:
@@ -71,7 +71,7 @@ class SwapConfig:
                 f"It must be one of {choices}."
             ) from None
         object.__setattr__(self, "on_host_exhausted", policy)
-        _check_size("min_swap_bytes", self.min_swap_bytes)
+        _check_int("min_swap_bytes", self.min_swap_bytes, 0)
         for name in ("prefetch", "pin_memory", "use_streams"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -79,40 +79,21 @@ class SwapConfig:
                     f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
                     "It must be a bool (True or False)."
                 )
-        _check_count("prefetch_layers", self.prefetch_layers)
-        _check_count("max_copies_in_flight", self.max_copies_in_flight, allow_none=True)
+        _check_int("prefetch_layers", self.prefetch_layers, 1)
+        _check_int("max_copies_in_flight", self.max_copies_in_flight, 1, allow_none=True)
 
 
-def _check_size(name: str, value: object, *, allow_none: bool = False) -> None:
-    """A byte count: an int >= 0 (``bool`` is refused although it is an ``int`` subclass)."""
+def _check_int(name: str, value: object, least: int, *, allow_none: bool = False) -> None:
+    """A byte count (``least`` 0) or a count of layers or copies (``least`` 1): an int, ``bool``
+    refused although it is an ``int`` subclass."""
     if value is None and allow_none:
         return
+    must = f"It must be an int >= {least}{' or None' if allow_none else ''}."
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
-            f"It must be an int >= 0{' or None' if allow_none else ''}."
-        )
-    if value < 0:
-        raise ValueError(
-            f"swap_pass.SwapConfig: {name}={value!r} is invalid. "
-            f"It must be an int >= 0{' or None' if allow_none else ''}."
-        )
-
-
-def _check_count(name: str, value: object, *, allow_none: bool = False) -> None:
-    """A count of layers or copies: an int >= 1 (``bool`` is refused)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. "
-            f"It must be an int >= 1{' or None' if allow_none else ''}."
-        )
-    if value < 1:
-        raise ValueError(
-            f"swap_pass.SwapConfig: {name}={value!r} is invalid. "
-            f"It must be an int >= 1{' or None' if allow_none else ''}."
-        )
+            f"swap_pass.SwapConfig: {name}={value!r} is a {type(value).__name__}. {must}")
+    if value < least:
+        raise ValueError(f"swap_pass.SwapConfig: {name}={value!r} is invalid. {must}")
 
 
 def check_config(config: object, api: str, expected: str = "swap_pass.SwapConfig") -> SwapConfig:

@@ -16,16 +16,15 @@ Note: [Opting out]
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 from torch import nn
 
+from swap_pass.state import no_swap_depth as _depth
+
 __all__ = ["ModuleFilter", "check_module_filter", "filtered_blocks", "no_swap", "swap_allowed"]
 
 ModuleFilter = Callable[[nn.Module, str], bool] | None
-
-_state = threading.local()
 
 
 @contextlib.contextmanager
@@ -40,16 +39,16 @@ def no_swap() -> Iterator[None]:
             loss = model(batch)        # every layer input stays on the device
         loss.backward()
     """
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _depth.depth = getattr(_depth, "depth", 0) + 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        _depth.depth -= 1
 
 
 def swap_allowed() -> bool:
     """False inside :func:`no_swap` on this thread."""
-    return not getattr(_state, "depth", 0)
+    return not getattr(_depth, "depth", 0)
 
 
 def check_module_filter(module_filter_fn: object, api: str) -> None:

@@ -12,25 +12,22 @@ One checkpointed region, an op ``mm`` tagged ``MUST_CPU_OFFLOAD`` (or ``PREFER_C
 
 Note: [Offload tags in eager checkpointing]
     torch's own selective checkpointing caches outputs tagged ``*_SAVE`` and recomputes every
-    other tag, ``*_CPU_OFFLOAD`` included. Here the caching mode asks the user's policy, caches
-    an offload-tagged output as ``MUST_SAVE`` (so torch's recompute returns it, never reruns the
-    op) and hands the output to a :class:`~swap_pass.runtime.swap_tensors.SwapTensors` group:
-    the same runtime, streams, host pool and ``swap_stats()`` counters as every other way in.
-    The copy out starts when the op returns; the storage is freed when the region's forward ends,
-    once the copy is complete and nothing but torch's cache holds it (Note: [Ownership rule] in
-    ``swap_pass/runtime/ownership.py``). An output that cannot move (the region's own output, a
-    view of a tensor that outlives the region, an op that returns no tensor) stays saved on the
-    device: under ``PREFER_CPU_OFFLOAD`` it is counted by reason (``swap_stats().skipped_bytes``);
-    under ``MUST_CPU_OFFLOAD`` it is an error naming the op, raised after every group of the
-    region is back on the device. Inside :func:`swap_pass.no_swap` both tags save on the device,
-    counted under ``"no_swap"``. Under ``torch.compile`` the contexts behave as torch's: the
-    tags reach the joint graph, where ``swap_backend`` honours them
-    (``swap_pass/graph/sac_tags.py``).
+    other tag, ``*_CPU_OFFLOAD`` included. Here the caching mode caches an offload-tagged output
+    as ``MUST_SAVE`` (torch's recompute returns it, never reruns the op) and hands it to a
+    :class:`~swap_pass.runtime.group.SwapTensors` group: the runtime, streams, host pool and
+    ``swap_stats()`` counters of every other way in. The copy out starts when the op returns; the
+    storage is freed when the region's forward ends, once the copy is complete and only torch's
+    cache holds it (Note: [Ownership rule] in ``swap_pass/runtime/freeing.py``). An output that
+    cannot move (the region's own output, a view of a tensor outliving the region, an op that
+    returns no tensor) stays saved on the device: under ``PREFER_CPU_OFFLOAD`` counted by reason
+    (``swap_stats().skipped_bytes``), under ``MUST_CPU_OFFLOAD`` an error naming the op, raised
+    once every group of the region is back on the device. Inside :func:`swap_pass.no_swap` both
+    tags save on the device, counted under ``"no_swap"``. Under ``torch.compile`` the tags reach
+    the joint graph as in torch; ``swap_backend`` honours them (``swap_pass/graph/sac_tags.py``).
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,12 +36,13 @@ import torch
 from torch.utils import checkpoint as _ckpt
 from torch.utils._pytree import tree_leaves
 
+from swap_pass import state
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import register_reset_hook
-from swap_pass.runtime.ownership import outside_holders
-from swap_pass.runtime.skips import SkipReason, record_skip
-from swap_pass.runtime.swap_tensors import DEVICE, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.freeing import outside_holders
+from swap_pass.runtime.group import DEVICE, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.stats import SkipReason, record_skip
 
 __all__ = ["has_offload_policies", "offload_policies", "selective_checkpoint_contexts"]
 
@@ -80,8 +78,7 @@ def offload_policies(api: str = _API) -> tuple[Any, Any]:
 
 
 class _Offloaded:
-    """One offloaded output: the op that made it, its tag, its group and its version when the
-    copy out started."""
+    """One offloaded output: its op, tag and group, and its version when the copy out started."""
 
     __slots__ = ("op", "policy", "group", "version")
 
@@ -96,12 +93,7 @@ class _Offloaded:
 
 
 class _Region:
-    """The offloaded outputs of one checkpointed call, in op order.
-
-    Args:
-        config: The runtime knobs of its groups.
-        must: This torch's ``MUST_CPU_OFFLOAD``.
-    """
+    """The offloaded outputs of one checkpointed call, in op order (``must``: MUST_CPU_OFFLOAD)."""
 
     def __init__(self, config: SwapConfig, must: Any) -> None:
         self.config = config
@@ -232,12 +224,12 @@ class _ForwardOrder:
     ones recomputed next in backward are the ones just before."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._regions: list[weakref.ref[_Region]] = []
+        self._lock = state.forward_order_lock
+        self._regions: list[weakref.ref[_Region]] = state.forward_order
 
     def append(self, region: _Region) -> None:
         with self._lock:
-            self._regions = [r for r in self._regions if r() is not None]
+            self._regions[:] = [r for r in self._regions if r() is not None]
             self._regions.append(weakref.ref(region))
 
     def before(self, region: _Region, count: int) -> list[_Region]:
@@ -250,7 +242,7 @@ class _ForwardOrder:
 
     def remove(self, region: _Region) -> None:
         with self._lock:
-            self._regions = [r for r in self._regions if r() is not None and r() is not region]
+            self._regions[:] = [r for r in self._regions if r() is not None and r() is not region]
 
     def clear(self) -> None:
         with self._lock:
@@ -379,9 +371,8 @@ def selective_checkpoint_contexts(policy_fn_or_list: Callable | Sequence,
         The forward and recompute contexts, a pair of ``TorchDispatchMode`` as torch's.
 
     Raises:
-        RuntimeError: This torch has no offload tags (naming the release that has them), or,
-            during the forward, an output tagged ``MUST_CPU_OFFLOAD`` cannot be swapped (naming
-            the op).
+        RuntimeError: This torch has no offload tags (naming the release that has them), or an
+            output tagged ``MUST_CPU_OFFLOAD`` cannot be swapped in the forward (naming the op).
         TypeError: ``policy_fn_or_list`` or ``config`` is of the wrong type.
     """
     policies = offload_policies()

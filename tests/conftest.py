@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import swap_pass
-from swap_pass import _test_accelerator as device_knobs
-from swap_pass._test_accelerator import TestAcceleratorUnavailable
 from swap_pass.runtime.device import accelerator_type
-from swap_pass.testing import load_test_accelerator, stream_model
+from swap_pass.testing import accelerator as device_knobs
+from swap_pass.testing import load_test_accelerator
+from swap_pass.testing.accelerator import TestAcceleratorUnavailable
 
 # SWAP_PASS_TEST_ACCELERATOR=1: load the CPU-backed test accelerator ("swaptest") before anything
 # asks which accelerator is present, so the tests parametrized over `device` run on it. Nothing
@@ -42,24 +42,29 @@ DEVICES = [
 ]
 
 
-STREAM_MODEL_ENV = "SWAP_PASS_STREAM_MODEL"
+# A delay no test step reaches: a side-stream copy runs only once someone waits for it, so copies
+# run in the order of the waits, the same in every run.
+HELD_COPIES_MS = 60_000.0
 
 
-def pytest_addoption(parser):
-    parser.addoption("--stream-model", action="store_true", default=False,
-                     help="run every test under swap_pass.testing.stream_model (CPU copies "
-                          f"queued like an accelerator's); also set by {STREAM_MODEL_ENV}=1")
+# The marks of a test that needs the test accelerator itself (its two devices, its delay settings,
+# its order check): marked `accelerator`, it runs in that device's pass and is skipped with the
+# reason elsewhere. A module's `pytestmark`, or one test's through `on_test_accelerator`.
+NEEDS_TEST_ACCELERATOR = [pytest.mark.accelerator,
+                          pytest.mark.skipif(not ON_TEST_ACCELERATOR, reason=TEST_ACCELERATOR_SKIP)]
 
 
-def stream_model_requested(config) -> bool:
-    return (config.getoption("--stream-model")
-            or os.environ.get(STREAM_MODEL_ENV, "") not in ("", "0"))
+def on_test_accelerator(test):
+    """Mark ``test`` with :data:`NEEDS_TEST_ACCELERATOR`."""
+    for mark in NEEDS_TEST_ACCELERATOR:
+        test = mark(test)
+    return test
 
 
 def _close_active_smartswaps() -> None:
     """A test that failed inside ``with SmartSwap(...)`` leaves no hooks to the next one
     (``swap_pass.reset()`` keeps an active SmartSwap working)."""
-    from swap_pass.smart.smart_swap import _active
+    from swap_pass.state import active_smart_swaps as _active
 
     for smart in list(_active):
         smart.close()
@@ -107,18 +112,29 @@ def deterministic():
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+@pytest.fixture
+def swaptest() -> torch.device:
+    """Device 0 of the test accelerator (device 1 is ``torch.device("swaptest", 1)``), for a test
+    marked with :data:`NEEDS_TEST_ACCELERATOR`; its delay settings are back to their defaults
+    afterwards."""
+    defaults = device_knobs.delay_settings()
+    yield torch.device(device_knobs.DEVICE_TYPE, 0)
+    device_knobs.synchronize()
+    device_knobs.set_delay(bool(defaults["enabled"]), defaults["min_ms"], defaults["max_ms"])
+    device_knobs.set_seed(int(defaults["seed"]))
+
+
+@pytest.fixture
+def swaptest_held(swaptest) -> torch.device:
+    """Like ``swaptest``, with every side-stream copy held until someone waits for it."""
+    device_knobs.set_delay(True, HELD_COPIES_MS, HELD_COPIES_MS)
+    return swaptest
+
+
 @pytest.fixture(autouse=True)
-def _clean_runtime(request, _nothing_unordered):
+def _clean_runtime(_nothing_unordered):
     _close_active_smartswaps()
     swap_pass.reset()
-    if stream_model_requested(request.config) and "no_stream_model" not in request.keywords:
-        seed = int(os.environ.get(f"{STREAM_MODEL_ENV}_SEED", "0"))
-        with stream_model(seed=seed) as model:
-            yield
-            _close_active_smartswaps()
-            swap_pass.reset()
-        assert not model.hazards, model.hazards
-    else:
-        yield
+    yield
     _close_active_smartswaps()
     swap_pass.reset()

@@ -8,7 +8,7 @@ import swap_pass
 from swap_pass.graph.regional import compile_layers
 from swap_pass.handles import SwapHandle
 from swap_pass.integrations.megatron import MegatronSwapHandle
-from swap_pass.models import LlamaConfig, LlamaStyleModel
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, intermediate_size=48)
 

@@ -15,9 +15,9 @@ import torch
 
 import swap_pass
 from swap_pass import SwapConfig, no_swap
-from swap_pass.eager._layer_io import in_backward
-from swap_pass.models import make_batch
-from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.chain import SwapLayerInputManager
+from swap_pass.runtime.freeing import in_backward
+from swap_pass.tools.models import make_batch
 from tests.eager.helpers import CFG, CheckpointedModel, assert_clean, assert_exact, train_step
 
 L = CFG.num_layers
@@ -174,7 +174,7 @@ def test_compiled_module_filter_swaps_only_the_kept_layers():
 
 
 def test_apply_swap_pass_module_filter_gets_the_traced_submodule():
-    from swap_pass.models import LlamaStyleModel
+    from swap_pass.tools.models import LlamaStyleModel
 
     torch.manual_seed(0)
     model = LlamaStyleModel(CFG)

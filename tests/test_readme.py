@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swap_pass
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TEXT = README.read_text()

@@ -1,7 +1,7 @@
 """The SwapLayerInput protocol for one layer call, shared by the decorators and ``enable``.
 
 Its steps (free after the next layer, restore before backward) are the runtime's, in
-``swap_pass/runtime/protocol.py``; this module decides where each runs in an eager layer call.
+``swap_pass/runtime/chain.py``; this module decides where each runs in an eager layer call.
 
 Graph pattern (layer ``i`` of ``L``, one micro-batch)::
 
@@ -72,24 +72,138 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from swap_pass.config import SwapConfig
-from swap_pass.eager._layer_io import check_device, find_hidden_states, grad_outputs
 from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import stats
-from swap_pass.runtime.chain import LayerChain
+from swap_pass.runtime.chain import (
+    LayerChain,
+    SwapLayerInputManager,
+    free_if_unheld,
+    prefetch_ahead,
+    restore_for_backward,
+)
 from swap_pass.runtime.device import entry_compute_stream
-from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import autograd_mark
-from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
-from swap_pass.runtime.skips import warn_once
-from swap_pass.runtime.swap_tensors import DEVICE, H2D, HOST, SwapTensors, no_group
+from swap_pass.runtime.freeing import autograd_mark
+from swap_pass.runtime.group import DEVICE, H2D, HOST, SwapTensors, no_group
+from swap_pass.state import warn_once
 
-__all__ = ["BackwardGuard", "abort_chain", "discard_if_pending", "run_layer"]
+__all__ = ["BackwardGuard", "abort_chain", "check_device", "discard_if_pending",
+           "find_hidden_states", "grad_outputs", "run_layer"]
+
+
+# --- Reading a layer call: where its ``hidden_states`` is, which outputs carry gradients ----------
+# A layer call looks like ``layer(hidden_states, *rest, **kw)`` or ``layer(..., hidden_states=x)``
+# (MindSpeed's convention: the ``hidden_states`` kwarg first, else ``args[0]``). A layer returns a
+# tensor, a tuple/list whose items include tensors (Megatron returns ``(hidden_states, context)``),
+# or a mapping (HF ``ModelOutput``). Everything else is passed through untouched.
+
+
+def find_hidden_states(args: tuple, kwargs: dict, api: str) -> torch.Tensor:
+    """Return the layer input: ``kwargs["hidden_states"]``, else ``args[0]``.
+
+    Raises:
+        ValueError: Neither is present.
+        TypeError: The value found is not a tensor.
+    """
+    if "hidden_states" in kwargs:
+        value, where = kwargs["hidden_states"], "kwargs['hidden_states']"
+    elif args:
+        value, where = args[0], "args[0]"
+    else:
+        raise ValueError(
+            f"swap_pass.{api}: the layer was called without hidden_states (args=(), "
+            f"kwargs={sorted(kwargs)}). Pass the layer input as the 'hidden_states' keyword or "
+            "as the first positional argument."
+        )
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"swap_pass.{api}: hidden_states ({where}) is a {type(value).__name__}, not a "
+            "torch.Tensor. The layer input to swap must be a tensor."
+        )
+    return value
+
+
+def _first_parameter(module: torch.nn.Module) -> torch.nn.Parameter | None:
+    """``next(module.parameters(), None)`` without building the generators (once per layer call).
+
+    Same order as ``Module.parameters()``: the module's own, then its children's, depth first.
+    """
+    for param in module._parameters.values():
+        if param is not None:
+            return param
+    for child in module._modules.values():
+        if child is not None:
+            param = _first_parameter(child)
+            if param is not None:
+                return param
+    return None
+
+
+def check_device(layer: torch.nn.Module, hidden_states: torch.Tensor, api: str,
+                 known: torch.nn.Parameter | None = None) -> torch.nn.Parameter | None:
+    """Raise when ``hidden_states`` is on another device than the layer's parameters.
+
+    Args:
+        layer: The layer about to run.
+        hidden_states: Its input.
+        api: Named in the error.
+        known: What the previous call returned: a parameter on the input's device passes
+            without walking the layer's modules again (``model.to()`` moves a parameter in
+            place, so it stays the layer's). Default: ``None``.
+
+    Returns:
+        The layer's first parameter (None when it has none), for the next call's ``known``.
+    """
+    if known is not None and known.device == hidden_states.device:
+        return known
+    param = _first_parameter(layer)
+    if param is not None and param.device != hidden_states.device:
+        raise ValueError(
+            f"swap_pass.{api}: hidden_states is on {hidden_states.device} but "
+            f"{type(layer).__name__}'s parameters are on {param.device}. The layer input must be "
+            "on the layer's device."
+        )
+    return param
+
+
+def _tensors_in(result: Any) -> list[torch.Tensor] | None:
+    """Tensors directly inside ``result`` (one level), or None for an unknown type."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for t in result if isinstance(t, torch.Tensor)]
+    if isinstance(result, Mapping):
+        return [t for t in result.values() if isinstance(t, torch.Tensor)]
+    return None
+
+
+def grad_outputs(result: Any, api: str) -> list[torch.Tensor]:
+    """The outputs of a layer call that require grad (where backward of the layer starts).
+
+    Raises:
+        TypeError: Under grad mode, ``result`` is neither a tensor, a tuple/list nor a mapping,
+            so the start of the layer's backward cannot be found.
+    """
+    if type(result) is torch.Tensor:  # the common case, answered without building a list twice
+        return [result] if result.requires_grad else []
+    tensors = _tensors_in(result)
+    if tensors is None:
+        if torch.is_grad_enabled():
+            raise TypeError(
+                f"swap_pass.{api}: the layer returned a {type(result).__name__}. A swapped layer "
+                "must return a tensor, a tuple/list of tensors and other values, or a mapping."
+            )
+        return []
+    return [t for t in tensors if t.requires_grad]
+
+
+# --------------------------------------------------------------------------------------------------
+
 
 _REGION_OUTPUT_ATTR = "_swap_pass_no_grad_output"
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward; see in_backward()
@@ -223,7 +337,7 @@ def discard_if_pending(manager: SwapLayerInputManager, group: SwapTensors) -> No
     with grad). Autograd will not read ``group`` again, but whoever passed the tensor in may:
     its data goes back to the device, then the group is forgotten."""
     if group.stat != DEVICE or any(g is group for g in manager.batch_stack):
-        manager.wait_swap_in(group)
+        manager.keep_on_device(group)
 
 
 # --- forward-side steps ---------------------------------------------------------------------
@@ -233,14 +347,14 @@ def free_previous(earlier: list[tuple[SwapLayerInputManager, SwapTensors]],
                   roots: list[torch.Tensor], abandon: bool = True) -> None:
     """Free earlier layers' inputs whose D2H is running (``earlier``, a manager's
     ``copying_earlier()``) if nothing but autograd holds them (``roots``: where the graph that
-    saved them is reached, see :func:`swap_pass.runtime.ownership.may_free`); abandon the
+    saved them is reached, see :func:`swap_pass.runtime.freeing.may_free`); abandon the
     unguarded ones (if ``abandon``: a later call may still guard them otherwise)."""
     for prev, group in earlier:
         guarded = group.guarded
         if guarded and free_if_unheld(group, prev.name, roots):
             continue
         if guarded or abandon:
-            prev.wait_swap_in(group)  # cannot be protected or held elsewhere: keep it on device
+            prev.keep_on_device(group)  # cannot be protected, or held elsewhere
 
 
 def _in_region(hidden_states: torch.Tensor) -> bool:
@@ -270,7 +384,7 @@ def abandon_unguarded_earlier(manager: SwapLayerInputManager) -> None:
         return
     for prev, group in manager.copying_earlier():
         if not group.guarded:
-            prev.wait_swap_in(group)
+            prev.keep_on_device(group)
     chain.maybe_unguarded = False
 
 
@@ -292,14 +406,14 @@ def abandon_own_unguarded(manager: SwapLayerInputManager) -> None:
     """Restore this layer's groups that were never guarded (their next layer never ran)."""
     for group in list(manager.batch_stack):
         if not group.guarded:
-            manager.wait_swap_in(group)
+            manager.keep_on_device(group)
 
 
 def abort_chain(chain: LayerChain) -> None:
     """After an exception: bring every group of the chain back to the device and forget it."""
     for manager in chain.managers():
         while manager.batch_stack:
-            manager.wait_swap_in(manager.batch_stack[0])
+            manager.keep_on_device(manager.batch_stack[0])
 
 
 # Note: [Never a silent step]
@@ -337,7 +451,7 @@ def check_step(manager: SwapLayerInputManager) -> None:
         f"that backward needs, of {offered} layers that swap; it swapped "
         f"{max(offered - missed, 0)}. Bytes not swapped so far, by reason "
         f"(swap_stats().skipped_bytes): {reasons or 'none recorded'}. See the reasons in "
-        "swap_pass.runtime.skips.SkipReason. (Shown once per model until swap_pass.reset().)"),
+        "swap_pass.runtime.stats.SkipReason. (Shown once per model until swap_pass.reset().)"),
         stacklevel=4)
 
 
@@ -356,7 +470,7 @@ def _claim_input(manager: SwapLayerInputManager, hidden_states: torch.Tensor,
     kept = grad_at_entry or (hidden_states.requires_grad and not _in_region(hidden_states))
     if manager.is_last_layer or not kept:
         return []
-    return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/ownership.py
+    return manager.claim([hidden_states])  # see Note: [Ownership rule] in runtime/freeing.py
 
 
 # Note: [The copy out starts at the layer's entry]
@@ -394,7 +508,7 @@ def _swap_after_forward(manager: SwapLayerInputManager, hidden_states: torch.Ten
         outputs, kept = [], hidden_states.requires_grad and not _in_region(hidden_states)
     group, version = started
     if group is not None and (not kept or claimed[0]._version != version):
-        manager.wait_swap_in(group)  # stale or unneeded: see the Note above
+        manager.keep_on_device(group)  # stale or unneeded: see the Note above
         group = None
     earlier = manager.copying_earlier()
     roots = [*outputs, hidden_states]  # the input last: walked first (Note: [Ownership rule])

@@ -28,19 +28,71 @@ Note: [Enabling is all or nothing]
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.eager import _protocol, hf_offload
+from swap_pass.eager import _protocol
 from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter, check_module_filter, filtered_blocks
-from swap_pass.runtime.chain import LayerChain
-from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.chain import LayerChain, SwapLayerInputManager
 
-__all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks", "kept_blocks"]
+__all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks", "give_back",
+           "kept_blocks", "take_over"]
+
+
+# --- HF transformers' ``activation_checkpointing_enable(offload=True)``, taken over by swap_pass
+# ---
+# Note: [Taking over HF's offload]
+#     With ``offload=True`` HF gives every checkpointing module a ``_gradient_checkpointing_func``
+#     that runs ``torch.utils.checkpoint.checkpoint`` inside ``save_on_cpu(pin_memory=True)``: the
+#     only tensor a checkpointed layer saves, its input, is copied to the host and back on the
+#     compute stream, so the step waits for both copies (and on a machine without an accelerator
+#     the pinned copy raises). ``enable_swap_layer_input`` swaps the same input on side streams,
+#     prefetched one layer ahead; so for each block it enables it puts HF's plain checkpoint
+#     (same keyword arguments) in place of the offloading one, and ``handle.remove()`` gives the
+#     block HF's function back. Blocks swap_pass leaves alone (``module_filter_fn``) keep HF's
+#     offload; so does the last block's checkpoint input, which swap_pass keeps on the device (its
+#     backward runs first). Gradients are bitwise the same: both move the same bytes and back.
+
+
+_ATTR = "_gradient_checkpointing_func"
+_SAVED = "_swap_pass_hf_checkpoint_func"
+
+
+def _offloading(fn: object) -> functools.partial | None:
+    """``fn`` when it is HF's offloading checkpoint (a ``partial`` of a function that enters
+    ``save_on_cpu``), else None."""
+    if not isinstance(fn, functools.partial):
+        return None
+    code = getattr(fn.func, "__code__", None)
+    return fn if code is not None and "save_on_cpu" in code.co_names else None
+
+
+def take_over(block: nn.Module) -> bool:
+    """Give ``block`` HF's plain checkpoint in place of its offloading one (Note: [Taking over
+    HF's offload]); whether it had one."""
+    fn = _offloading(block.__dict__.get(_ATTR))
+    if fn is None:
+        return False
+    object.__setattr__(block, _SAVED, fn)
+    object.__setattr__(block, _ATTR, functools.partial(checkpoint, *fn.args, **fn.keywords))
+    return True
+
+
+def give_back(block: nn.Module) -> None:
+    """Undo :func:`take_over` (nothing when it did not take over)."""
+    fn = block.__dict__.pop(_SAVED, None)
+    if fn is not None:
+        object.__setattr__(block, _ATTR, fn)
+
+
+# --------------------------------------------------------------------------------------------------
+
 
 _API = "enable_swap_layer_input"
 _HANDLE_ATTR = "_swap_pass_handle"
@@ -134,7 +186,7 @@ class SwapLayerInputHandle(SwapHandle):
         inner = layer.__dict__.get(attr)
         object.__setattr__(layer, attr, _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
-        hf_offload.take_over(layer)  # Note: [Taking over HF's offload] in hf_offload.py
+        take_over(layer)  # Note: [Taking over HF's offload]
 
     def _undo(self) -> None:
         """Revert every block patched so far and drop the managers (a failed enable)."""
@@ -201,7 +253,7 @@ def _unpatch(layer: nn.Module) -> None:
             elif attr == "_old_forward":  # accelerate's hook came later: it calls this one
                 layer.__dict__[attr] = type(layer).forward.__get__(layer)
     layer.__dict__.pop("swap_manager", None)
-    hf_offload.give_back(layer)
+    give_back(layer)
 
 
 def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:
@@ -285,7 +337,7 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
 
     A model set up with HF's ``activation_checkpointing_enable(offload=True)`` has its
     synchronous ``save_on_cpu`` replaced by this swap on the enabled blocks, until ``remove()``
-    (Note: [Taking over HF's offload] in ``swap_pass/eager/hf_offload.py``).
+    (Note: [Taking over HF's offload] in ``swap_pass/eager/enable.py``).
 
     Returns:
         A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.

@@ -32,12 +32,16 @@ from typing import Any
 import torch
 
 from swap_pass.eager import _protocol
-from swap_pass.eager._layer_io import _tensors_in, find_hidden_states, in_backward
-from swap_pass.runtime.chain import chain_of_tag
-from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.ownership import autograd_mark
-from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
-from swap_pass.runtime.swap_tensors import HOST, SwapTensors
+from swap_pass.eager._protocol import _tensors_in, find_hidden_states
+from swap_pass.runtime.chain import (
+    SwapLayerInputManager,
+    chain_of_tag,
+    free_if_unheld,
+    prefetch_ahead,
+    restore_for_backward,
+)
+from swap_pass.runtime.freeing import autograd_mark, in_backward
+from swap_pass.runtime.group import HOST, SwapTensors
 
 __all__ = [
     "swap_layer_input_fboverlap_1f1b_wrapper",
@@ -153,7 +157,7 @@ def _group_of(manager: SwapLayerInputManager, tensor: torch.Tensor | None) -> Sw
 
 def _restore_for_backward(manager: SwapLayerInputManager, layer_input: torch.Tensor | None) -> None:
     """Make this layer's input readable, then prefetch the previous layer's oldest group on the
-    host (FBOverlap bwd; the steps: ``swap_pass/runtime/protocol.py``)."""
+    host (FBOverlap bwd; the steps: ``swap_pass/runtime/chain.py``)."""
     group = _group_of(manager, layer_input)
     if group is not None:
         restore_for_backward(group, manager.batch_stack,
@@ -203,7 +207,7 @@ def _finish_swap_out(manager: SwapLayerInputManager, group: SwapTensors | None,
         accounted = ([graph.layer_input]
                      if isinstance(getattr(graph, "layer_input", None), torch.Tensor) else [])
         if not free_if_unheld(group, manager.name, roots, accounted=accounted):
-            manager.wait_swap_in(group)  # another holder is left: keep it on the device
+            manager.keep_on_device(group)  # another holder is left
             return
         _tie_to_layer_graph(result, manager, group)
 

@@ -18,10 +18,10 @@ Backward graph (layers run last to first)::
     ...                                          # layer i's backward (recompute included) reads d_i
 
 With ``SwapConfig(prefetch=False)`` the backward holds one ``swap_pass.swap_in`` per tensor,
-right before its first reader. Graphs from AOTAutograd keep each node's module stack
-(``nn_module_stack``; ``fwd_nn_module_stack`` on backward nodes), which is how layers are found
-after partitioning. A saved tensor is swapped only if it is a layer boundary, not a graph input,
-not also a user-visible output, and has static strides when it is not contiguous.
+right before its first reader. Layers are found from each node's module stack, which AOTAutograd
+keeps (``nn_module_stack``; ``fwd_nn_module_stack`` on backward nodes). A saved tensor is swapped
+only if it is a layer boundary, not a graph input nor a user-visible output, and contiguous or
+of static strides.
 """
 
 from __future__ import annotations
@@ -96,11 +96,9 @@ def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[set, set]:
 
 def _swappable_bytes(x: fx.Node | None, saved: set, user_outputs: set,
                      config: SwapConfig, *, hinted: bool = False) -> int | None:
-    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``.
-
-    ``hinted``: symbolic sizes count with their size hints (budget mode, Note: [Planning with
-    symbolic sizes] in budget.py); a size without a hint gives 0.
-    """
+    """Bytes of saved ``x`` if the pass may swap it (0 when unknown, symbolic), else ``None``;
+    with ``hinted`` (budget mode) symbolic sizes count with their hints, 0 without one
+    (Note: [Planning with symbolic sizes] in budget.py)."""
     val = None if x is None else _tensor_val(x)
     if val is None or x not in saved or x in user_outputs or x.op == "placeholder":
         return None
@@ -119,12 +117,9 @@ def _swappable_bytes(x: fx.Node | None, saved: set, user_outputs: set,
 
 @dataclasses.dataclass
 class _Planned:
-    """A saved tensor to swap and where its waits and prefetch go.
-
-    ``wait_after``: forward nodes the D2H wait must follow (besides ``node``'s readers);
-    ``prefetch_before``: the backward node its H2D copy starts before, or ``None`` for one layer
-    ahead (``next_layer``'s first backward node).
-    """
+    """A saved tensor to swap and where its waits and prefetch go: ``wait_after``, forward nodes
+    the D2H wait must follow (besides ``node``'s readers); ``prefetch_before``, the backward node
+    its H2D copy starts before (``None``: ``next_layer``'s)."""
 
     node: fx.Node
     layer: str
@@ -136,11 +131,8 @@ class _Planned:
 
 def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
                   config: SwapConfig) -> tuple[list[_Planned], list]:
-    """Saved layer inputs worth swapping, in forward order, and the graph's layers.
-
-    Every layer's input but the last one's is swapped; the last one's too when nothing after that
-    layer computes in this graph (Note: [Layers across graph breaks]).
-    """
+    """Saved layer inputs worth swapping, in forward order, and the graph's layers (the last
+    layer's too when nothing after it computes here: Note: [Layers across graph breaks])."""
     user_outputs, saved = _saved(fw, num_fwd_outputs)
     layers = find_layers(fw, layer_filter, api="swap_backend", strict=False)
     pairs = list(zip(layers, layers[1:], strict=False))  # consecutive pairs
@@ -160,13 +152,12 @@ def _layer_inputs(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter,
 
 
 # Note: [Every chosen tensor swapped or counted]
-# A saved layer input the rule chose but may not swap stays on the device; it is counted in
-# swap_stats() with its reason when the graphs are partitioned, so that swapped plus counted is
-# every saved input the rule chose: a graph input (the user's input, a parameter: user_data),
-# also a forward output (shared_storage: the caller holds it), empty (no_storage), under
-# min_swap_bytes (too_small), or of a size or layout not known when compiling (dynamic_shape).
-# Tagged offloads are counted by sac_tags.plan_offloads, budget mode's choices by
-# _count_unplanned. A layer input the partitioner did not save was not chosen.
+# A saved layer input the rule chose but may not swap stays on the device, counted in swap_stats()
+# with its reason at partition time, so that swapped plus counted is every saved input the rule
+# chose: a graph input (the user's input, a parameter: user_data), also a forward output
+# (shared_storage: the caller holds it), empty (no_storage), under min_swap_bytes (too_small), or
+# of a size or layout unknown when compiling (dynamic_shape). sac_tags.plan_offloads counts tagged
+# offloads, _count_unplanned budget mode's. A layer input the partitioner did not save: not chosen.
 
 
 def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapConfig) -> None:
@@ -174,7 +165,7 @@ def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapCo
     tensor swapped or counted])."""
     if x is None or x not in saved:
         return
-    from swap_pass.runtime.skips import SkipReason, record_skip
+    from swap_pass.runtime.stats import SkipReason, record_skip
 
     val = _tensor_val(x)
     nbytes = val.numel() * val.element_size() if val is not None and _static(val.shape) else 0
@@ -192,10 +183,9 @@ def _count_kept(x: fx.Node | None, saved: set, user_outputs: set, config: SwapCo
 
 
 def _saved_base(x: fx.Node | None, saved: set) -> fx.Node | None:
-    """``x``, or, when the layer reads its input through views the partitioner did not save, the
-    saved tensor they view whole (same number of elements; ``_unsafe_view``, a matmul's reshape,
-    counts as a view): a classic tensor-parallel plan's first layer reads
-    ``view(wait_tensor(all_reduce(...)))``, and the wait's result is saved."""
+    """``x``, or the saved tensor that ``x``, an unsaved view (``_unsafe_view`` too), views whole:
+    a classic tensor-parallel plan's first layer reads ``view(wait_tensor(all_reduce(...)))``,
+    and the wait's result is saved."""
     node = x
     while (node is not None and node not in saved and node.op == "call_function"
            and node.target is not operator.getitem
@@ -213,13 +203,12 @@ def _numel(node: fx.Node) -> int | None:
 
 # Note: [Layers across graph breaks]
 # With a graph break between layers (a print, a data-dependent branch), Dynamo compiles the layers
-# before the break and those after it as separate graphs. The last layer of the first graph is not
-# the model's last layer: its saved input lives through the whole forward and backward of the
-# next graph, so it is swapped like every other layer input. A layer is the last of the *model*
-# when compute the layers do not own follows it in its graph (the final norm, the head, the
-# loss); when only the graph's output follows, more layers are assumed to follow in another
-# graph. Its H2D copy starts at the top of its graph's backward (which runs right after the next
-# graph's backward), and its D2H wait is placed after the layer's own compute.
+# on each side as separate graphs. The first graph's last layer is not the model's: its saved
+# input lives through the next graph's forward and backward, so it is swapped too. A layer is the
+# *model's* last when compute the layers do not own follows it in its graph (the final norm, the
+# head, the loss); when only the graph's output follows, more layers are assumed in another graph.
+# Its H2D copy starts at the top of its graph's backward (right after the next graph's backward),
+# and its D2H wait goes after the layer's own compute.
 
 
 def _ends_the_graph(fw: fx.GraphModule, last) -> bool:
@@ -255,16 +244,15 @@ def _after_all(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 
 def _last_tensor_before(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """The last matmul-class result computed before ``node``: what a wait or prefetch there must
-    come after. Always a node whose value is one tensor (the ``after`` argument is ``Tensor?``).
+    """The last matmul-class result before ``node``, always one tensor (``after`` is ``Tensor?``):
+    what a wait or prefetch there must come after.
 
     Note: [Which tensor a wait or prefetch depends on]
-    A matmul's result is an extern kernel's output that every compiler materialises anyway, so
-    depending on it pins the wait without changing what Inductor fuses (depending on a pointwise
-    intermediate would force it into memory and can change rounding, e.g. FMA contraction).
-    Attention kernels are in ``flop_registry`` too but return tuples (the CUDA ones since torch
-    2.13, the CPU flash kernel since 2.15): for those the ``getitem`` that takes a tensor out of
-    the tuple is the result depended on, never the tuple itself.
+    A matmul's result is an extern kernel's output every compiler materialises anyway, so
+    depending on it pins the wait without changing what Inductor fuses (a pointwise intermediate
+    would be forced into memory and could round differently, e.g. FMA contraction). Attention
+    kernels in ``flop_registry`` return tuples (CUDA since torch 2.13, the CPU flash kernel since
+    2.15): the ``getitem`` taking a tensor out of the tuple is depended on, never the tuple.
     """
     cur = node.prev
     while cur.op != "root":
@@ -291,8 +279,7 @@ def _is_compute_result(node: fx.Node) -> bool:
 
 def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node,
                  after: bool) -> fx.Node:
-    """``wait(t, keepalive, dep)`` after/before ``where``, ``dep`` the tensor computed just
-    before it."""
+    """``wait(t, keepalive, dep)`` after/before ``where``, ``dep`` the tensor computed before."""
     ctx = graph.inserting_after(where) if after else graph.inserting_before(where)
     with ctx:
         node = graph.call_function(_OPS.wait.default, (t, keepalive, None))
@@ -304,20 +291,18 @@ def _insert_wait(graph: fx.Graph, t: fx.Node, keepalive: fx.Node, where: fx.Node
 
 
 # Note: [One buffer from swap_out to wait]
-# The D2H copy that swap_out starts reads x until the compute stream waits for it at
-# ``wait(h, keepalive=x)``, one layer later; the graph must hold x's buffer, and nobody may write
-# it, up to that wait. Under aot_eager x is one tensor and it does. Inductor lowers an
-# unrealized pointwise x (the residual add that makes a layer input) lazily: swap_out's stride
-# constraint (Note: [swap_out's input layout] in ops.py) realizes a private copy of x for the
-# op, and the wait's keepalive recomputes x into a second buffer. The copy's buffer then dies
-# right after swap_out (its finalizer orders compute after the D2H at once: no overlap, plus an
-# activation-sized extra buffer), or Inductor's memory planning hands it to a later kernel while
-# the D2H still reads it (``reinterpret_tensor(buf); del buf  # reuse``: on an asynchronous
-# device, a corrupted host copy). ``meta["inductor_realize_to_strides"]``, which Inductor's own
-# FX passes set on nodes that must be realized, makes Inductor realize x once, where it is made,
-# with its traced strides (what the constraint asks for, so swap_out takes that buffer as it is):
-# swap_out and the wait then read one buffer, whose last use is the wait. Other compilers ignore
-# the key.
+# swap_out's D2H copy reads x until the compute stream waits for it at ``wait(h, keepalive=x)``,
+# one layer later; the graph must hold x's buffer, unwritten, up to that wait. Under aot_eager x
+# is one tensor. Inductor lowers an unrealized pointwise x (the residual add making a layer input)
+# lazily: swap_out's stride constraint (Note: [swap_out's input layout] in ops.py) realizes a
+# private copy of x for the op, and the keepalive recomputes x into a second buffer. The copy's
+# buffer then dies right after swap_out (its finalizer orders compute after the D2H at once: no
+# overlap, plus an activation-sized extra buffer), or memory planning hands it to a later kernel
+# while the D2H reads it (``reinterpret_tensor(buf); del buf  # reuse``: a corrupted host copy on
+# an asynchronous device). ``meta["inductor_realize_to_strides"]``, set by Inductor's own FX
+# passes on nodes to realize, makes Inductor realize x once, where it is made, with its traced
+# strides (as the constraint asks): swap_out and the wait read one buffer, last used by the wait.
+# Other compilers ignore the key.
 
 
 def _rewrite_forward(fw: fx.GraphModule, planned: list[_Planned], config: SwapConfig) -> None:
@@ -368,10 +353,8 @@ def _restore_node(graph: fx.Graph, ph: fx.Node, val: torch.Tensor, first: fx.Nod
 def _pin_after_compute(prefetch: fx.Node, args: tuple) -> None:
     """Make ``prefetch`` depend on the matmul computed before it, so that it cannot start early.
 
-    Without it a prefetch depends only on a graph input, and Inductor's peak-memory reordering
-    is free to hoist every prefetch to the top of the backward: every swapped tensor would then
-    be back on the device during the backward of the last layers (which runs first and is where
-    a checkpointed step peaks).
+    Else Inductor's peak-memory reordering may hoist every prefetch to the top of the backward,
+    bringing every swapped tensor back for the last layers' backward, a checkpointed step's peak.
     """
     dep = _last_tensor_before(prefetch.graph, prefetch)
     if dep is not None:
@@ -466,8 +449,7 @@ def _with_offloads(fw: fx.GraphModule, num_fwd_outputs: int, planned: list[_Plan
 
 
 def why_nothing_swapped(fw: fx.GraphModule, num_fwd_outputs: int, layer_filter) -> tuple[str, int]:
-    """Why layer-input mode swapped nothing in ``fw``, and the bytes the graph saves for
-    backward."""
+    """Why layer-input mode swapped nothing in ``fw``, and the bytes it saves for backward."""
     _, saved = _saved(fw, num_fwd_outputs)
     nbytes = sum(v.numel() * v.element_size() for n in saved if isinstance(n, fx.Node)
                  and (v := _tensor_val(n)) is not None and _static(v.shape))
@@ -498,7 +480,7 @@ def _owner(gm: fx.GraphModule, node: fx.Node) -> str:
 
 def _count_unplanned(nodes) -> None:
     """Saved tensors of sizes without a hint: never a silent zero (``dynamic_shape``)."""
-    from swap_pass.runtime.skips import SkipReason, record_skip
+    from swap_pass.runtime.stats import SkipReason, record_skip
 
     for _n in nodes:
         record_skip(SkipReason.DYNAMIC_SHAPE, 0, where="swap_backend (budget mode)",

@@ -9,10 +9,9 @@ Pipeline::
                                                    |
                                     inner compiler: Inductor, aot_eager, callable
 
-The partitioner is the one the inner compiler would use anyway (Inductor's own pipeline with a
-custom partitioner hook; ``min_cut_rematerialization_partition`` for the others), so the graphs
-differ from the same compile without swap only by the swap nodes. Activation-checkpointed layers
-inside the compiled region save just their input, which is exactly what gets swapped.
+The partitioner is the inner compiler's own (Inductor's pipeline through a custom partitioner
+hook; ``min_cut_rematerialization_partition`` for the others), so the graphs differ from a compile
+without swap only by the swap nodes. Checkpointed layers save just their input: what is swapped.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ class Partition:
 
 @dataclasses.dataclass
 class _Swapped:
-    """What a backend swapped so far: decides whether a graph that swaps nothing is worth a
-    warning."""
+    """What a backend swapped so far: whether a graph swapping nothing is worth a warning."""
 
     graphs: int = 0
     swapped_graphs: int = 0
@@ -89,7 +87,8 @@ def _report_nothing_swapped(fw: fx.GraphModule, n_out: int, layer_filter: LayerF
     """Count and warn once (per backend) about a graph that swaps nothing, while no graph of this
     backend swapped anything; later graphs without layers (the loss after a break) only log."""
     from swap_pass.graph.aot_pass import why_nothing_swapped
-    from swap_pass.runtime.skips import SkipReason, record_skip, warn_once
+    from swap_pass.runtime.stats import SkipReason, record_skip
+    from swap_pass.state import warn_once
 
     reason, nbytes = why_nothing_swapped(fw, n_out, layer_filter)
     record_skip(SkipReason.NO_LAYERS, nbytes, where=where, warn=False)
@@ -153,8 +152,7 @@ def _partitioner_uuid(*keys: object) -> str:
 
 
 def _make_partitioner(partition: Callable, uuid: str):
-    """An Inductor ``CustomPartitionerFn`` running ``partition``; it pickles as its uuid (cache
-    keys)."""
+    """An Inductor ``CustomPartitionerFn`` running ``partition``; pickles as its uuid (cache)."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class SwapPartitioner(CustomPartitionerFn):
@@ -201,14 +199,12 @@ def _compile_inductor(gm, example_inputs, partition: Callable, uuid: str,
 # Note: [Whole-model CUDA graphs]
 # ``torch.compile(model, backend=swap_backend, mode="reduce-overhead")`` (or "max-autotune",
 # ``options={"triton.cudagraphs": True}``, ``torch._inductor.config.triton.cudagraphs = True``)
-# asks the inner Inductor to capture CUDA graphs. A captured graph replays its copies with the
-# host buffers and device blocks of the capture: a prefetch would write into a block the replay
-# no longer owns, a copy out would read a layer input the trees' private pool has handed on, and
-# the runtime's host pool, events and frees are host-side bookkeeping that a replay skips. The
-# swap ops are tagged ``cudagraph_unsafe``, which only splits the graph where Inductor partitions
-# it. So the backend refuses CUDA graphs for a graph on an accelerator when Dynamo hands it the
-# first graph, before any step runs, and names the modes that swap; on the CPU, where Inductor
-# captures nothing, the mode's other options apply.
+# asks the inner Inductor for CUDA graphs. A replay reuses the capture's host buffers and device
+# blocks: a prefetch would write a block the replay no longer owns, a copy out would read a layer
+# input the trees' private pool has handed on, and the host pool, events and frees are host-side
+# bookkeeping a replay skips. The ops' ``cudagraph_unsafe`` tag only splits graphs Inductor
+# partitions. So the backend refuses CUDA graphs on an accelerator at the first graph, before any
+# step, naming the modes that swap; on the CPU, which captures nothing, the other options apply.
 
 
 def _inductor_patches(inner: str | Callable, mode: str | None, options: dict | None,
@@ -285,12 +281,11 @@ def _compiled_autograd_on() -> bool:
 
 def _refuse_compiled_autograd() -> None:
     """Note: [Compiled autograd]
-    Compiled autograd traces the backward graphs again, through AOTAutograd, and that retrace
-    refuses custom ops whose output aliases an input (``swap_pass::wait``'s schema is
-    ``Tensor(a) -> Tensor(a)``, so that it can hand back the tensor it waited for without a
-    copy). The swap ops would also be traced into a graph whose order the backward's compiler
-    chooses, not the one this pass planned. So the backend refuses to compile, before any step
-    runs, instead of failing inside the first backward.
+    Compiled autograd retraces the backward graphs through AOTAutograd, which refuses custom ops
+    whose output aliases an input (``swap_pass::wait`` is ``Tensor(a) -> Tensor(a)``, to hand back
+    what it waited for without a copy), and would order the swap ops as the backward's compiler
+    chooses, not as this pass planned. So the backend refuses to compile, before any step runs,
+    instead of failing inside the first backward.
     """
     if _compiled_autograd_on():
         raise RuntimeError(
@@ -320,16 +315,14 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
                       module_filter_fn: ModuleFilter = None) -> Callable:
     """Build a Dynamo backend that swaps tensors saved for backward to host memory.
 
-    Two policies: by default (layer-input mode) the saved input of every layer but the last
-    moves; with ``memory_budget`` (budget mode) any saved tensor may move, chosen from the
-    partitioned graphs so that the predicted peak fits the budget and every copy hides behind
-    compute (see :mod:`swap_pass.graph.budget`).
+    Layer-input mode (the default) moves the saved input of every layer but the last; budget
+    mode (``memory_budget``) moves any saved tensors, chosen so that the predicted peak fits the
+    budget and every copy hides behind compute (see :mod:`swap_pass.graph.budget`).
 
     Args:
         inner: The compiler the rewritten graphs go to: ``"inductor"``, ``"aot_eager"``, or a
-            callable ``(gm, example_inputs) -> callable`` used for both forward and backward; it
-            may return a plain function or a boxed one (``make_boxed_func``), as AOTAutograd allows.
-            Default: ``"inductor"``.
+            callable ``(gm, example_inputs) -> callable`` for forward and backward, returning a
+            plain or a boxed (``make_boxed_func``) function. Default: ``"inductor"``.
         layer_filter: Which modules are the layers; see :func:`find_layer_boundaries`.
             Default: ``None`` (guess).
         config: Runtime knobs: ``max_host_bytes``, ``prefetch``, ``use_streams``,
@@ -345,11 +338,10 @@ def make_swap_backend(inner: str | Callable = "inductor", *, layer_filter: Layer
             ``None``: filter on ``fqn``. Default: ``None`` (all layers).
 
     Returns:
-        A backend for ``torch.compile(model, backend=...)``. Its ``partitions`` attribute holds
-        the last rewritten forward/backward pairs (:class:`Partition`) for inspection.
-        ``torch.compile``'s ``mode=`` and ``options=`` reach the inner Inductor; CUDA graphs for
-        a model on an accelerator are refused with a ``ValueError`` at the first compile, before
-        any step (Note: [Whole-model CUDA graphs]).
+        A backend for ``torch.compile(model, backend=...)``; its ``partitions`` attribute holds
+        the last rewritten forward/backward pairs (:class:`Partition`). ``torch.compile``'s
+        ``mode=`` and ``options=`` reach the inner Inductor; CUDA graphs on an accelerator raise
+        ``ValueError`` at the first compile (Note: [Whole-model CUDA graphs]).
 
     Raises:
         ValueError: ``inner`` is unknown or ``"npu"`` (use :func:`swap_pass.compile_layers`

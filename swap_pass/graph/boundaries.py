@@ -1,13 +1,10 @@
 """Find the repeated layer blocks of a graph and the tensor entering each (the residual stream).
 
-Works on three kinds of graphs:
-
 * ``torch.fx.symbolic_trace``: layers are ``call_module`` nodes (``layers.0``, ``layers.1``...);
   the entering tensor is the node's first argument.
-* Dynamo, ``torch.export`` and AOTAutograd forward/backward graphs: each node's
-  ``meta["nn_module_stack"]`` names the modules it ran in (backward nodes carry the forward's
-  stack as ``meta["fwd_nn_module_stack"]``); the entering tensor of layer ``i`` is the value
-  produced outside the layer that layer ``i`` reads and that has the residual stream's shape.
+* Dynamo, ``torch.export`` and AOTAutograd graphs: each node's ``meta["nn_module_stack"]`` names
+  the modules it ran in (``meta["fwd_nn_module_stack"]`` on backward nodes); layer ``i``'s
+  entering tensor is the value made outside it that it reads, of the residual stream's shape.
 
 Without ``layer_filter`` the layers are the outermost family of same-class blocks under one parent
 (``model.layers.0``, ``model.layers.1``...; ``ModuleDict`` keys and named attributes too), the
@@ -38,9 +35,8 @@ class ModuleFiltered:
     """A layer filter narrowed by a ``module_filter_fn(module, fqn)`` (Note: [Opting out] in
     ``swap_pass/opt_out.py``): the layers ``layer_filter`` selects, less those it refuses.
 
-    ``module`` is the graph's submodule of that name when the graph holds it (``symbolic_trace``
-    keeps a plain ``nn.Module`` with the layer's parameters, not the layer's class), else ``None``
-    (Dynamo and AOTAutograd graphs keep only the names).
+    ``module`` is the graph's submodule of that name if any (``symbolic_trace`` keeps a plain
+    ``nn.Module`` with the layer's parameters), else ``None`` (Dynamo, AOTAutograd: names only).
     """
 
     layer_filter: LayerFilter
@@ -120,8 +116,7 @@ def _node_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, object]]
 
 
 def _subgraph_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, object]]:
-    """For a higher-order op (e.g. Dynamo's activation checkpoint): the modules all of its body
-    ran in."""
+    """For a higher-order op (Dynamo's activation checkpoint): the modules all its body ran in."""
     body = node.args[0] if node.op == "call_function" and node.args else None
     if not (isinstance(body, fx.Node) and body.op == "get_attr"):
         return []
@@ -139,8 +134,7 @@ def _subgraph_modules(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, obje
 
 
 def _all_modules(gm: fx.GraphModule) -> dict[str, object]:
-    """Every module a node ran in, in the order they first run (a leaf ``call_module`` brings
-    its own submodules, which hold no node of the graph)."""
+    """Modules the nodes ran in, in first-run order (a leaf ``call_module`` adds its submodules)."""
     seen: dict[str, object] = {}
     for node in gm.graph.nodes:
         for fqn, cls in _node_modules(gm, node):
@@ -233,11 +227,8 @@ def _entering(inputs: list[fx.Node], prev: str | None, owner: dict[fx.Node, str 
 
 
 def _computed_in_backward(node: fx.Node) -> bool:
-    """A gradient (e.g. the residual stream's accumulated grad), never a saved layer input.
-
-    torch 2.13 marks backward nodes of AOT graphs ``autograd_backward``; torch 2.11 does not, but
-    both tag them ``partitioner_tag="is_backward"``.
-    """
+    """A gradient (e.g. the residual stream's accumulated grad), never a saved layer input:
+    ``autograd_backward`` (torch 2.13) or ``partitioner_tag="is_backward"`` (2.11 too)."""
     meta = node.meta
     return bool(meta.get("autograd_backward")) or meta.get("partitioner_tag") == "is_backward"
 
@@ -272,9 +263,8 @@ def find_layers(gm: fx.GraphModule, layer_filter: LayerFilter = None,
                 api: str = "find_layer_boundaries", *, strict: bool = True) -> list[_Layer]:
     """Like :func:`find_layer_boundaries`, also returning the nodes (for the passes).
 
-    ``strict=False`` (the compile path): a ``layer_filter`` that matches nothing in this graph
-    gives no layers instead of an error, since Dynamo splits a model into several graphs at its
-    graph breaks and only some of them hold layers (e.g. the loss after HF's break).
+    ``strict=False`` (the compile path): a ``layer_filter`` matching nothing gives no layers, not
+    an error: only some of the graphs Dynamo splits a model into hold layers (not HF's loss).
     """
     _check_graph_module(gm, api)
     modules = _all_modules(gm)

@@ -14,22 +14,20 @@ the ``wait`` after its D2H copy and starts its backward life at the ``prefetch``
     backward:  prefetch -- ...compute >= copy time... -- wait -- first reader of x
 
 A tensor whose copy cannot hide (too little compute between its producer and the forward's end,
-or between the backward's start and its first reader) is never chosen. Compute time is the
-matmul-class FLOPs of each node (``torch.utils.flop_counter``) over the device's FLOP rate; copy
-time is bytes over the host link bandwidth (:mod:`swap_pass.memory_model`'s formulas, which
-``swap-pass plan`` and SmartSwap's simulator use too). Both rates are measured on the graph's
-device when not given (:class:`CostModel`), the FLOP rate with the dtype of the graph's matmuls,
-by :mod:`swap_pass.cost_probes`: on real tensors although the partitioner runs under the
-compiler's fake mode, once per device and dtype in a process (see Note: [Throughput probe],
-Note: [Probes run on real tensors] and Note: [Measured rates] there).
+or between the backward's start and its first reader) is never chosen. Compute time is each
+node's matmul-class FLOPs (``torch.utils.flop_counter``) over the device's FLOP rate, copy time
+bytes over the host link bandwidth (:mod:`swap_pass.cost.model`'s formulas, shared with
+``swap-pass plan`` and SmartSwap's simulator). Rates not given (:class:`CostModel`) are measured
+on the graph's device, the FLOP rate in its matmuls' dtype, by :mod:`swap_pass.cost.probes`: on
+real tensors even under the compiler's fake mode, once per device and dtype in a process (see
+Note: [Throughput probe], Note: [Probes run on real tensors] and Note: [Measured rates] there).
 
 Note: [Greedy choice]
-At each round the point of the predicted peak is found; among the tensors whose freed interval
-covers it, the one that frees the most bytes there is chosen (largest benefit first), and the
-timeline is re-evaluated. The rounds stop when the peak fits the budget or nothing left lowers it.
-This is exact about what the graphs hold (every storage, every reader); it is approximate about
-what the inner compiler fuses away (temporaries Inductor never materialises are counted), so the
-predicted peak is an upper bound on the graph's activations, not the allocator's peak.
+Each round finds the point of the predicted peak, chooses among the tensors whose freed interval
+covers it the one that frees the most bytes there, and re-evaluates, until the peak fits the
+budget or nothing left lowers it. Exact about what the graphs hold (every storage, every reader),
+approximate about what Inductor fuses away (its unmaterialised temporaries count): the predicted
+peak is an upper bound on the graph's activations, not the allocator's peak.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ import dataclasses
 import torch
 from torch import fx
 
-from swap_pass.cost_probes import copy_bandwidth, flop_rate
-from swap_pass.memory_model import compute_seconds, copy_seconds, tensor_bytes
+from swap_pass.cost.model import compute_seconds, copy_seconds, tensor_bytes
+from swap_pass.cost.probes import copy_bandwidth, flop_rate
 
 __all__ = ["Budget", "CostModel", "SwapChoice", "choose_swaps"]
 
@@ -54,10 +52,9 @@ class CostModel:
             ``None``. Default: ``None``.
         flops_per_s: Achieved matmul FLOP/s; measured on the graph's device, with the dtype of
             its matmuls, when ``None`` (see Note: [Throughput probe] in
-            :mod:`swap_pass.cost_probes`). Default: ``None``.
+            :mod:`swap_pass.cost.probes`). Default: ``None``.
 
-    What is given is never measured: with both rates, no probe runs. What is measured is
-    measured once per device (and dtype) in a process (Note: [Measured rates]).
+    Given rates are never measured; missing ones once per device and dtype (Note: [Measured rates]).
     """
 
     copy_bytes_per_s: float | None = None
@@ -71,9 +68,8 @@ class CostModel:
                                  "It must be None or a number > 0.")
 
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> CostModel:
-        """This model with the missing figures measured on ``device`` (real tensors, once per
-        device and dtype in a process: :func:`swap_pass.cost_probes.copy_bandwidth`,
-        :func:`swap_pass.cost_probes.flop_rate`).
+        """This model with the missing figures measured on ``device`` (once per device and dtype:
+        :func:`swap_pass.cost.probes.copy_bandwidth`, :func:`swap_pass.cost.probes.flop_rate`).
 
         Args:
             device: The graph's device.
@@ -88,8 +84,7 @@ class CostModel:
 
 
 def matmul_dtype(gm: fx.GraphModule) -> torch.dtype | None:
-    """The dtype of ``gm``'s first matmul-class node (what the FLOP rate is measured in), or
-    None when it has none."""
+    """The dtype of ``gm``'s first matmul-class node (the FLOP rate's), or None without one."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if _flops(n) and isinstance(val, torch.Tensor):
@@ -140,12 +135,11 @@ def _val(node: fx.Node) -> torch.Tensor | None:
 
 # Note: [Planning with symbolic sizes]
 # Under dynamic shapes (``dynamic=True``, or the automatic dynamic recompile after a second
-# sequence length) sizes are SymInts. Reading them as ints would add guards and specialize the
-# graph, so the plan uses their size hints instead: the sizes of the inputs the graph was compiled
-# for. The same plan serves every later size of that graph; bytes and FLOPs grow together with
-# the sequence length, so which tensors hide their copies barely changes. A size without a hint
-# (data-dependent, unbacked) cannot be planned: that tensor is not a candidate, and is counted
-# under ``swap_stats().skipped_bytes["dynamic_shape"]``.
+# sequence length) sizes are SymInts; reading them as ints would add guards and specialize the
+# graph, so the plan uses their size hints (the sizes the graph was compiled for). That plan serves
+# every later size: bytes and FLOPs grow together with the sequence length, so which copies hide
+# barely changes. A size without a hint (data-dependent, unbacked) cannot be planned: its tensor
+# is no candidate, and is counted under ``swap_stats().skipped_bytes["dynamic_shape"]``.
 
 
 def size_hint(size: object) -> int | None:
@@ -163,8 +157,7 @@ def size_hint(size: object) -> int | None:
 
 
 def hinted_shape(val: torch.Tensor) -> list[int] | None:
-    """``val``'s shape with size hints for its symbolic sizes
-    (Note: [Planning with symbolic sizes])."""
+    """``val``'s shape with hints for symbolic sizes (Note: [Planning with symbolic sizes])."""
     shape = [size_hint(d) for d in val.shape]
     return None if any(d is None for d in shape) else shape
 
@@ -351,7 +344,7 @@ def choose_swaps(fw: fx.GraphModule, bw: fx.GraphModule, candidates: list[tuple[
 def _with_flops(fw: fx.GraphModule, bw: fx.GraphModule,
                 candidates: list[tuple[fx.Node, int]], cost: CostModel) -> CostModel:
     """``cost`` with its FLOP rate measured, if missing, on the candidates' device in the
-    dtype of the graphs' matmuls (see Note: [Throughput probe] in :mod:`swap_pass.cost_probes`)."""
+    dtype of the graphs' matmuls (see Note: [Throughput probe] in :mod:`swap_pass.cost.probes`)."""
     if cost.flops_per_s is not None:
         return cost
     vals = (n.meta.get("val") for n, _ in candidates)

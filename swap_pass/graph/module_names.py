@@ -2,23 +2,21 @@
 
 Note: [Module names in resumed frames]
 Dynamo records every module a node ran in under the expression the frame reached it through
-(``meta["nn_module_stack"]`` values ``(path, class)``): ``L['self'].layers[2]`` in the frame of
-``forward``. In a frame resumed after a graph break, a layer reached through a local variable held
-across the break is recorded under that variable instead: ``L['layers'][3]`` after
-``layers = list(self.layers)``, ``L['layer']`` for a loop variable, ``L['blocks'].2`` for a local
-``ModuleList``. ``normalize_fqn`` drops the local's name with the frame's root, so such layers
-would all be called ``""``: a ``layer_filter`` regex on the model's qualified names
-(``layers\\.\\d+``) could not name them, and no filter could tell them apart.
+(``meta["nn_module_stack"]`` values ``(path, class)``): ``L['self'].layers[2]`` in ``forward``.
+In a frame resumed after a graph break, a layer reached through a local variable held across the
+break is recorded under that variable: ``L['layers'][3]`` after ``layers = list(self.layers)``,
+``L['layer']`` for a loop variable, ``L['blocks'].2`` for a local ``ModuleList``.
+``normalize_fqn`` drops the local's name with the frame's root, so such layers would all be
+called ``""``: no ``layer_filter`` (a regex like ``layers\\.\\d+``) could name or tell them apart.
 
-Before partitioning, the backend resolves each path that does not start at a module the frame
-holds and no other local module holds (the model: ``self``; not a local ``ModuleList`` taken
-from it) against the frame's locals, with plain attribute and index steps only
-(no code runs but ``getattr`` and ``[]`` on modules and lists), looks the module object up in the
-modules the frame holds, and records the path as ``L['<that local>'].<qualified name>``: the name
-the user's model gives the layer. A path that does not resolve, or a module the frame's modules do
-not hold, keeps its recorded name. The frame's locals come from Dynamo's translator of the frame
-being compiled (``InstructionTranslator.current_tx().f_locals``, checked on torch 2.13.0, 2.14.1
-and 2.15.0); where torch has no such translator, and outside a Dynamo compile, nothing changes.
+Before partitioning, the backend resolves each path not starting at a top module of the frame
+(one no other local module holds: ``self``, not a local ``ModuleList`` taken from it) against the
+frame's locals, by ``getattr`` and ``[]`` steps on modules and lists only (no other code runs),
+looks the module up among those the top modules hold, and records the path as
+``L['<that local>'].<qualified name>``, the model's own name for the layer; else the recorded
+name stays. The locals come from Dynamo's translator of the frame being compiled
+(``InstructionTranslator.current_tx().f_locals``, checked on torch 2.13.0, 2.14.1 and 2.15.0);
+without one, or outside a Dynamo compile, nothing changes.
 """
 
 from __future__ import annotations
@@ -106,9 +104,8 @@ def _renamed(path: str, f_locals: dict[str, Any], tops: dict[str, nn.Module],
 
 
 def name_modules_as_the_model_does(gm: fx.GraphModule) -> int:
-    """Rewrite the ``nn_module_stack`` paths of a Dynamo graph that name a module through a local
-    variable into the module's qualified name in the model (Note: [Module names in resumed
-    frames]).
+    """Rename the ``nn_module_stack`` paths that reach a module through a local variable to its
+    qualified name in the model (Note: [Module names in resumed frames]).
 
     Returns:
         How many distinct paths were renamed (0 outside a Dynamo compile).

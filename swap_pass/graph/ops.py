@@ -17,23 +17,19 @@ Backward graph::
 
 The ops are functional (``swap_out`` and ``prefetch`` return new tensors), so Dynamo, ``make_fx``,
 ``torch.export``, AOTAutograd and Inductor can trace, move and compile them; ``wait`` returns its
-input (an aliasing schema) and is marked side-effectful so dead-code elimination keeps it. The
-``keepalive`` argument of ``wait`` is the source of the transfer: it keeps that tensor alive in
-the graph until the copy is complete, instead of ``record_stream`` (which would hold the
-storage back from the allocator until the side stream's later work completes).
-Freeing is the graph's job: once ``wait`` ran, the graph drops the source and the allocator
-reuses it on the compute stream, which is already ordered after the copy.
+input (an aliasing schema) and is side-effectful, so dead-code elimination keeps it. Its
+``keepalive`` is the copy's source, held in the graph until the copy completes (``record_stream``
+would hold the storage back until the side stream's later work completes); the graph then drops
+it, and the allocator reuses it on the compute stream, already ordered after the copy.
 
-Everything goes through :mod:`swap_pass.runtime`: streams from ``device_streams``, host buffers
-from ``host_pool`` (so ``SwapConfig.max_host_bytes`` applies), counters in ``swap_stats``, and
-:func:`swap_pass.reset` drops pending transfers. On CPU the copies are synchronous and every
-event is a no-op, so the same code runs (and is tested) without an accelerator.
+Streams (``device_streams``), host buffers (``host_pool``: ``SwapConfig.max_host_bytes``
+applies), counters (``swap_stats``) and :func:`swap_pass.reset` come from :mod:`swap_pass.runtime`.
+On CPU copies are synchronous and events no-ops: the same code runs (and is tested) there.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import weakref
 
 # The ops' signatures say List[int]: some torch releases' custom_op schema inference (2.6)
@@ -46,23 +42,28 @@ from torch.fx.node import has_side_effect
 from swap_pass.opt_out import swap_allowed
 from swap_pass.runtime import register_reset_hook, stats
 from swap_pass.runtime.device import DeviceStreams, device_streams, is_async_device
+from swap_pass.runtime.freeing import byte_span
 from swap_pass.runtime.host_pool import host_pool
-from swap_pass.runtime.ownership import byte_span
-from swap_pass.runtime.skips import SkipReason, record_skip
-from swap_pass.runtime.swap_tensors import _bytes_view
+from swap_pass.runtime.stats import SkipReason, record_skip
+from swap_pass.runtime.storages import bytes_view as _bytes_view
+from swap_pass.state import finalizers as _finalizers
+from swap_pass.state import host_bytes as _host_bytes
+from swap_pass.state import kept_on_device as _kept_on_device
+from swap_pass.state import ops_lock as _lock
+from swap_pass.state import released as _released
+from swap_pass.state import transfers as _transfers
 
 __all__ = ["empty_host_like", "prefetch", "swap_in", "swap_out", "wait", "pending_transfers"]
 
 
 # --- pending transfers ------------------------------------------------------------------------
 # Note: [Keys of pending transfers]
-# A transfer is keyed by the data_ptr of the tensor it produces (the host tensor of swap_out,
-# the device tensor of prefetch), so that ``wait`` needs only that tensor, as in PyTorch's
-# ``ao.wait_tensor``. A swap_out's host buffer counts as in use (``_host_bytes``) until the H2D
-# that consumes it completes; the registry holds no reference to it, so a host copy nobody will
-# read (forward without backward) dies with its last tensor, and a finalizer on its storage
-# stops counting it (``HostBufferPool.forget``). One finalizer per storage: pooled buffers are
-# reused every step, and finalizers must not pile up on them.
+# A transfer is keyed by the data_ptr of the tensor it produces (swap_out's host tensor,
+# prefetch's device tensor), so ``wait`` needs only that tensor, as ``ao.wait_tensor`` does. A
+# swap_out's host buffer counts as in use (``_host_bytes``) until the H2D that consumes it
+# completes. The registry holds no reference to it: a host copy nobody reads (forward without
+# backward) dies with its last tensor, and a finalizer on its storage stops counting it
+# (``HostBufferPool.forget``); one per storage, so none pile up on buffers reused every step.
 
 
 @dataclasses.dataclass
@@ -82,11 +83,8 @@ class _Transfer:
     source_died: bool = False
 
 
-_lock = threading.RLock()  # finalizers may run during GC inside a locked section
-_transfers: dict[int, _Transfer] = {}
-_host_bytes: dict[int, int] = {}
-_finalizers: dict[int, weakref.finalize] = {}
-_released: dict[int, int] = {}  # host key -> device bytes freed meanwhile (Note: [Compiled frees])
+# The tables (state.transfers, host_bytes, finalizers, released bytes: Note: [Compiled frees])
+# take state.ops_lock, reentrant: finalizers may run during GC inside a locked section.
 
 
 def pending_transfers() -> int:
@@ -116,12 +114,11 @@ def _storage_died(key: int) -> None:
 
 
 # Note: [Compiled frees]
-# In a compiled graph the device copy of a swapped tensor is freed by the graph dropping it
-# after ``wait(host, keepalive=x)``, not by swap_pass. To count it in
-# ``swap_stats().device_bytes_released`` like the eager paths do, that wait watches x's storage:
-# when it dies while its data is still only on the host, its bytes count as released, until
-# the prefetch that brings them back (or the host copy dies unread). A source the graph keeps
-# (also an output, or reused in place by Inductor's memory planning) is not counted.
+# In a compiled graph the graph, not swap_pass, frees a swapped tensor by dropping it after
+# ``wait(host, keepalive=x)``. To count it in ``swap_stats().device_bytes_released`` as the eager
+# paths do, that wait watches x's storage: when it dies while its data is only on the host, its
+# bytes count as released until the prefetch brings them back (or the host copy dies unread). A
+# source the graph keeps (also an output, or reused in place by Inductor's memory planning) is not.
 
 
 def _watch_source(host: torch.Tensor, source: torch.Tensor) -> None:
@@ -161,16 +158,14 @@ def _output_died(key: int, transfer: _Transfer) -> None:
 
 # Note: [Sources that die unwaited]
 # A swapped-out tensor can die before its ``wait`` (an exception later in the forward, a refused
-# host buffer): its block goes back to the compute stream's pool while the copy out may still
-# read it, so the finalizer on its storage orders the compute stream after the copy, unless a
-# wait did already. It asks the transfer (``ordered``), not the registry: the host copy may have
-# died first (the locals of an aborted graph die in any order), which takes the transfer out of
-# the registry but orders nothing.
+# host buffer): its block goes back to the compute stream's pool while the copy out may still read
+# it, so its storage's finalizer orders the compute stream after the copy unless a wait did. It
+# asks the transfer (``ordered``), not the registry: the host copy may have died first (an aborted
+# graph's locals die in any order), which drops the transfer from the registry but orders nothing.
 
 
 def _source_died_unwaited(transfer: _Transfer) -> None:
-    """A swapped-out tensor died before its ``wait``: order its allocating stream after the copy
-    that may still read it (Note: [Sources that die unwaited])."""
+    """A swapped-out tensor died before its ``wait`` (Note: [Sources that die unwaited])."""
     transfer.source_died = True  # Note: [The keepalive is the copy's source]
     if not transfer.ordered:
         _order_compute_after(transfer)
@@ -187,12 +182,11 @@ def _take_host_buffer(host: torch.Tensor) -> torch.Tensor | None:
 
 
 # Note: [The compute stream of a transfer]
-# The stream a transfer is ordered against is the one current when it started: swap_out's source
-# was made (and is freed) there, prefetch allocates its destination there, and the graph that
-# called the op runs on it. It is kept on the transfer and never looked up again: a finalizer
-# (``_source_died_unwaited``, ``_output_died``) may run while any stream is current (inside the
-# runtime's own side-stream context during a copy, or a user's stream context), and the caching
-# allocator hands a freed block to its allocating stream's next allocation at once.
+# A transfer is ordered against the stream current when it started: swap_out's source was made
+# (and is freed) there, prefetch allocates its destination there, and the calling graph runs on
+# it. It is kept on the transfer, never looked up again: a finalizer (``_source_died_unwaited``,
+# ``_output_died``) may run while any stream is current (the runtime's side stream during a copy,
+# a user's stream), and the allocator hands a freed block to its stream's next allocation at once.
 
 
 def _order_compute_after(transfer: _Transfer) -> None:
@@ -244,15 +238,13 @@ def _refuse_capture(api: str, ds: DeviceStreams, stream: torch.Stream | None) ->
 # --- layouts ----------------------------------------------------------------------------------
 
 # Note: [Contiguous copies]
-# A copy between tensors of different layouts is not one transfer: on CUDA, ``copy_`` of a
-# non-contiguous side allocates a full-size device temporary on the current stream (the side
-# stream, whose cached blocks compute never reuses) and copies twice. So every copy of the graph
-# path is contiguous on both sides. A contiguous tensor copies as it is. A strided one (a
-# transposed, permuted, sliced or expanded saved tensor) copies the bytes of its storage it
-# spans (``byte_span``, as the eager runtime does): its host tensor views a buffer of exactly
-# those bytes with the tensor's own strides, and ``prefetch`` restores into
-# ``empty_strided(size, stride)``, whose storage is exactly that span again. Bytes between the
-# elements (a slice's gaps) travel along and are never read.
+# On CUDA, ``copy_`` with a non-contiguous side allocates a full-size device temporary on the
+# current stream (the side stream, whose cached blocks compute never reuses) and copies twice. So
+# every graph-path copy is contiguous on both sides. A strided tensor (transposed, permuted,
+# sliced, expanded) copies the bytes of its storage it spans (``byte_span``, as the eager runtime
+# does): its host tensor views a buffer of exactly those bytes with its own strides, and
+# ``prefetch`` restores into ``empty_strided(size, stride)``, whose storage is that span again.
+# Bytes between the elements (a slice's gaps) travel along and are never read.
 
 
 def _contiguous(t: torch.Tensor) -> bool:
@@ -290,9 +282,8 @@ def _host_view(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _h2d_sides(host: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The destination and source of ``host``'s copy into ``out``: both contiguous when ``host``
-    is laid out as ``swap_out`` returns it. A host tensor from elsewhere (a contiguous copy
-    AOTAutograd made of it, say) copies element by element, correct but not one transfer."""
+    """The destination and source of ``host``'s copy into ``out``: contiguous when ``host`` is laid
+    out as ``swap_out`` returns it; else (an AOTAutograd copy, say) element by element."""
     if host.is_contiguous() and out.is_contiguous():
         return out, host
     if host.stride() == out.stride():
@@ -303,32 +294,27 @@ def _h2d_sides(host: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, tor
 # --- swap_out ---------------------------------------------------------------------------------
 
 # Note: [Never inside a CUDA graph]
-# The four ops touch host buffers taken from the pool at run time and side streams: captured
-# into a CUDA graph, each replay would copy to and from the host address of the capture, which
-# the pool has given to another tensor since. Under ``mode="reduce-overhead"`` Inductor without
-# graph partition captures no graph that has a CPU tensor (the host copies are ones): it logs
-# "skipping cudagraphs due to cpu device" and runs the graph uncaptured. With graph partition
-# (``torch._inductor.config.graph_partition``), ``torch.Tag.cudagraph_unsafe`` (where the torch
-# has it) makes each of these ops a partition boundary, never inside a captured partition. Any
-# other capture (``torch.cuda.graph`` around a compiled step, say) is refused when an op runs:
-# swap_out, prefetch and swap_in raise before they take a buffer or allocate, and a wait with a
-# copy pending raises before it orders anything (``_refuse_capture``).
+# The four ops use pooled host buffers and side streams: a CUDA graph replay would copy to and
+# from the capture's host address, which the pool has handed on since. Under reduce-overhead,
+# Inductor without graph partition captures no graph holding a CPU tensor (the host copies): it
+# logs "skipping cudagraphs due to cpu device". With ``torch._inductor.config.graph_partition``,
+# ``torch.Tag.cudagraph_unsafe`` (where torch has it) makes each op a partition boundary. Any
+# other capture (``torch.cuda.graph`` around a compiled step) is refused when an op runs
+# (``_refuse_capture``): swap_out, prefetch and swap_in raise before taking a buffer or
+# allocating, a wait with a copy pending before ordering anything.
 _UNSAFE_IN_CUDA_GRAPHS = ((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe")
                           else ())
 
 
-
 # Note: [swap_out's input layout]
-# Without swap, a saved tensor is an output of the forward graph, and Inductor gives an output its
-# traced stride order as soon as it lowers the node that makes it; a later reader that needs
-# those strides (SDPA: exactly the traced ones) then reads that buffer. With swap, the saved tensor
-# feeds ``swap_out`` instead, an extern kernel lowered right after its producer: without a layout
-# constraint (a custom pass inserted it, so Inductor ignores the default ``needs_exact_strides``)
-# it freezes the producer's still flexible layout to contiguous, and a reader that needs the
-# traced strides gets a second, transposed buffer from the same kernel. That kernel's loops then
-# run in another order and vectorize differently (Sleef sin/cos instead of std::sin/std::cos for
-# a RoPE'd query), which changes the saved value in the last bits. ``needs_fixed_stride_order``
-# makes Inductor give the input its traced stride order, as for a graph output.
+# Without swap, a saved tensor is a forward graph output, and Inductor gives it its traced stride
+# order when lowering its producer; a reader needing exactly those strides (SDPA) reads that
+# buffer. With swap it feeds ``swap_out``, an extern kernel lowered right after its producer:
+# without a layout constraint (Inductor ignores the default ``needs_exact_strides`` for a node a
+# custom pass inserted) it freezes the producer's flexible layout to contiguous, and a reader
+# needing the traced strides gets a second, transposed buffer from the same kernel, whose loops
+# then vectorize differently (Sleef sin/cos instead of std::sin/std::cos for a RoPE'd query): the
+# saved value changes in the last bits. ``needs_fixed_stride_order`` keeps the traced order.
 @torch.library.custom_op("swap_pass::swap_out", mutates_args=(),
                          tags=(torch.Tag.needs_fixed_stride_order, *_UNSAFE_IN_CUDA_GRAPHS))
 def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True,
@@ -375,9 +361,8 @@ def swap_out(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True
     return host
 
 
-# swap_out results that no_swap() kept on the device (a copy of the source), by data_ptr: their
-# prefetch is a plain copy, counted nowhere. Each leaves with its storage.
-_kept_on_device: dict[int, bool] = {}
+# state.kept_on_device: swap_out results no_swap() kept on the device (a copy of the source), by
+# data_ptr, each until its storage dies; their prefetch is a plain copy, counted nowhere.
 
 
 def _keep_on_device(x: torch.Tensor) -> torch.Tensor:
@@ -401,8 +386,7 @@ def _(x: torch.Tensor, max_host_bytes: int = -1, use_streams: bool = True,
 
 def _empty_like_original(host: torch.Tensor, device: torch.device, size: list[int],
                          stride: list[int]) -> torch.Tensor:
-    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` when
-    empty."""
+    """The device tensor to copy into: ``size``/``stride``, or contiguous like ``host`` if empty."""
     if not size and host.dim():
         return torch.empty(host.shape, dtype=host.dtype, device=device)
     return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
@@ -435,11 +419,10 @@ def prefetch(host: torch.Tensor, device: torch.device, size: List[int], stride: 
              use_streams: bool = True, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Start copying ``host`` back to ``device`` on the host-to-device stream.
 
-    The destination is allocated on the compute stream with the original ``size`` and
-    ``stride`` (both empty: contiguous with ``host``'s shape, which keeps symbolic sizes out of
-    the op's arguments). Pair with ``wait(out, keepalive=host)`` before the first reader.
-    ``after`` is a tensor computed at the prefetch's planned position, so that no scheduler
-    starts the copy (and allocates its destination) before that compute; the op ignores it.
+    The destination is allocated on the compute stream with the original ``size`` and ``stride``
+    (both empty: contiguous with ``host``'s shape, keeping symbolic sizes out of the arguments).
+    Pair with ``wait(out, keepalive=host)`` before the first reader. ``after`` (ignored) is a
+    tensor computed at the planned position: no scheduler starts the copy (or allocates) before it.
     """
     return _start_h2d(host, device, size, stride, use_streams, "prefetch")
 
@@ -493,21 +476,18 @@ def _wait_for(t: torch.Tensor) -> _Transfer | None:
 
 # Note: [The keepalive is the copy's source]
 # ``wait(h, keepalive=x)`` must receive the very tensor whose storage swap_out's copy reads: the
-# graph holding it up to the wait is what keeps its memory from being freed or handed to another
-# kernel while the copy runs (Note: [One buffer from swap_out to wait] in aot_pass.py). A
-# compiler that materializes x twice passes the wait a second buffer and drops the first right
-# after swap_out: freed, the compute stream waits for the copy at once (no overlap); reused in
-# place for a later kernel's output, that kernel may write it under the copy, and the host copy
-# is wrong on an asynchronous device. The wait compares the keepalive's storage with the one the
-# copy read: the same storage is alive (its finalizer has not run) and the keepalive's data
-# pointer is the one the copy read (a data pointer alone could be a new buffer at a freed
-# address). Where they differ on a device with streams it raises (the host copy may be corrupt,
-# and no step may go on with it); on CPU, whose copies completed inside swap_out, it warns once.
+# graph holding it up to the wait keeps that memory from being freed or handed to another kernel
+# while the copy runs (Note: [One buffer from swap_out to wait] in aot_pass.py). A compiler that
+# materializes x twice gives the wait a second buffer and drops the first after swap_out: freed,
+# compute waits for the copy at once (no overlap); reused for a later kernel's output, that kernel
+# may write it under the copy (a wrong host copy on an asynchronous device). The wait checks that
+# the copy's storage is still alive (its finalizer has not run) and is the keepalive's (a data
+# pointer alone could be a new buffer at a freed address). Else it raises on a device with streams
+# (the host copy may be corrupt); on CPU, whose copies completed inside swap_out, it warns once.
 
 
 def _check_keepalive(transfer: _Transfer | None, keepalive: torch.Tensor) -> None:
-    """Raise or warn if ``keepalive`` is not the storage the swap_out ``transfer`` read (see
-    the Note)."""
+    """Raise or warn if ``keepalive`` is not the storage the swap_out ``transfer`` read."""
     if (transfer is None or not transfer.source or (
             not transfer.source_died
             and keepalive.untyped_storage().data_ptr() == transfer.source)):
@@ -519,7 +499,7 @@ def _check_keepalive(transfer: _Transfer | None, keepalive: torch.Tensor) -> Non
            "report the torch version and the inner compiler.")
     if is_async_device(transfer.device):
         raise RuntimeError(f"{what}; on {transfer.device} the host copy may be corrupt. {fix}")
-    from swap_pass.runtime.skips import warn_once
+    from swap_pass.state import warn_once
 
     warn_once("keepalive_not_source", "",
               f"{what} (harmless on CPU, where the copy completed inside swap_out; on an "
@@ -550,11 +530,10 @@ has_side_effect(torch.ops.swap_pass.wait.default)
 def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
     """Complete the copy that produced ``t`` (from ``swap_out`` or ``prefetch``) and return ``t``.
 
-    A ``t`` with no copy pending returns at once, where PyTorch's ``ao.wait_tensor`` raises: a
-    retained graph's second backward runs each ``wait`` again on a tensor whose copy its first
-    backward completed, and ``swap_in`` on a synchronous CPU copy has waited already; both are
-    correct graphs. A pending copy is keyed by ``t``'s data pointer only, so "already waited for"
-    and "never copied" cannot be told apart without holding every produced tensor.
+    A ``t`` with no copy pending returns at once, where ``ao.wait_tensor`` raises: a retained
+    graph's second backward waits again on copies its first completed, and ``swap_in`` on a CPU
+    copy has waited already; both are correct graphs. Copies are keyed by data pointer only, so
+    "already waited for" and "never copied" cannot be told apart without holding every tensor.
 
     Args:
         t: The output of ``swap_out`` or ``prefetch``.

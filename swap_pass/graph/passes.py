@@ -1,6 +1,6 @@
 """``apply_swap_pass``: swap each layer's input in a traced graph that is trained in eager autograd.
 
-The graph runs the layer-input protocol of ``swap_pass/runtime/protocol.py``: each node below
+The graph runs the layer-input protocol of ``swap_pass/runtime/chain.py``: each node below
 calls its steps (free after the next layer, restore before backward); the pass decides where.
 
 Graph pattern, for the input ``x_i`` of every layer but the last::
@@ -11,15 +11,14 @@ Graph pattern, for the input ``x_i`` of every layer but the last::
     ...                                                 # layer i+1 reads x_i1'
 
 Note: [Restoring through autograd]
-In eager autograd the layer's saved tensors reference ``x_i``'s storage, so freeing must happen
-in place (``untyped_storage().resize_(0)``) and the data must come back into the same storage:
-that is what :class:`swap_pass.SwapTensors` does. ``layer_input_release`` is an autograd
-Function on the stream entering layer ``i+1``: its backward runs when the gradient of layer
-``i``'s output is complete, which is before any backward node of layer ``i`` (its recompute
-included). There it waits for ``x_i``'s host-to-device copy (starting it if nobody did) and
-starts the copy of ``x_{i-1}``, one layer ahead. Each forward makes its own groups, carried as
-graph values, so several forwards before one backward (gradient accumulation) stay separate and
-a forward whose graph is dropped gives its host buffers back (``SwapTensors.__del__``).
+In eager autograd the layer's saved tensors reference ``x_i``'s storage, so it is freed in place
+(``untyped_storage().resize_(0)``) and its data comes back into it (:class:`swap_pass.SwapTensors`
+does both). ``layer_input_release`` is an autograd Function on the stream entering layer ``i+1``:
+its backward runs once layer ``i``'s output gradient is complete, before any backward node of
+layer ``i`` (its recompute included). There it waits for ``x_i``'s host-to-device copy (starting
+it if nobody did) and starts ``x_{i-1}``'s, one layer ahead. Each forward's groups are graph
+values, so several forwards before one backward (gradient accumulation) stay separate, and a
+forward whose graph is dropped gives its host buffers back (``SwapTensors.__del__``).
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ from torch import fx
 from swap_pass.config import SwapConfig, check_config
 from swap_pass.graph.boundaries import LayerFilter, find_layers, with_module_filter
 from swap_pass.opt_out import ModuleFilter, check_module_filter, swap_allowed
-from swap_pass.runtime.ownership import autograd_mark, swappable_layer_inputs
-from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
-from swap_pass.runtime.skips import SkipReason, record_skip
-from swap_pass.runtime.swap_tensors import SwapTensors
+from swap_pass.runtime.chain import free_if_unheld, prefetch_ahead, restore_for_backward
+from swap_pass.runtime.freeing import autograd_mark, swappable_layer_inputs
+from swap_pass.runtime.group import SwapTensors
+from swap_pass.runtime.stats import SkipReason, record_skip
 
 __all__ = ["apply_swap_pass", "layer_input_release", "layer_input_swap_out"]
 
@@ -64,7 +63,7 @@ def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTenso
     if not swap_allowed():  # Note: [Opting out] in swap_pass/opt_out.py
         record_skip(SkipReason.NO_SWAP, x.numel() * x.element_size(), where=name)
         return None
-    if not swappable_layer_inputs([x], name):  # see Note: [Ownership rule] in runtime/ownership.py
+    if not swappable_layer_inputs([x], name):  # see Note: [Ownership rule] in runtime/freeing.py
         return None
     group = SwapTensors([x], config=_config_from_key(config), name=name, copy_span=True)
     group.swap_to_host()
@@ -73,8 +72,7 @@ def layer_input_swap_out(x: torch.Tensor, name: str, config: tuple) -> SwapTenso
 
 
 class _ReleaseLayerInput(torch.autograd.Function):
-    """Identity on the stream entering the next layer; frees the group in forward, restores in
-    backward."""
+    """Identity on the stream entering the next layer: frees the group, restores it in backward."""
 
     @staticmethod
     def forward(ctx, x_next, group, earlier):
@@ -91,8 +89,7 @@ class _ReleaseLayerInput(torch.autograd.Function):
         earlier = ctx.earlier
         if earlier is not None and earlier.config.prefetch:
             prefetch_ahead((earlier,), earlier.config)
-        # The node lives until the loss dies; holding the groups would keep every restored
-        # input alive to the end of backward instead of letting autograd free it.
+        # The node lives until the loss dies: drop the groups so autograd frees restored inputs.
         ctx.group = ctx.earlier = None
         return grad, None, None
 

@@ -5,13 +5,11 @@ Regional compile (as torchtitan and torchtune do it) with swap on the shared run
     layer.forward = torch.compile(layer.forward, backend=...)   # one compiled region per layer
     enable_swap_layer_input(model, layers=...)                  # eager protocol around each region
 
-The swap protocol runs outside every compiled region: each layer's input is swapped out after the
-layer's forward and back before its backward, exactly as in eager mode, so nothing host-side
-(streams, events, the host pool) sits inside a graph. That is what makes it the way for backends
-that cannot hold the ``swap_pass::*`` ops: torchair's GE graphs on Ascend NPUs (``backend="npu"``).
-CUDA graphs (``mode="reduce-overhead"``) are refused on an accelerator (Note: [No CUDA graphs
-with swap]). Layers of one class share their compiled code (Dynamo inlines ``nn.Module`` and
-guards on parameter metadata, not identity).
+The swap protocol runs outside every compiled region, as in eager mode, so nothing host-side
+(streams, events, the host pool) sits inside a graph: the way for backends that cannot hold the
+``swap_pass::*`` ops, such as torchair's GE graphs on Ascend NPUs (``backend="npu"``). CUDA graphs
+are refused on an accelerator (Note: [No CUDA graphs with swap]). Layers of one class share their
+compiled code (Dynamo inlines ``nn.Module`` and guards on parameter metadata, not identity).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from swap_pass.eager.enable import (
 )
 from swap_pass.handles import SwapHandle
 from swap_pass.opt_out import ModuleFilter
-from swap_pass.runtime.skips import warn_once
+from swap_pass.state import warn_once
 
 __all__ = ["CompiledLayers", "compile_layers"]
 
@@ -112,20 +110,19 @@ def _layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Mod
 
 # Note: [CUDA graphs only on CUDA]
 # ``mode="reduce-overhead"`` and ``"max-autotune"`` (and ``options={"triton.cudagraphs": True}``)
-# ask Inductor to capture CUDA graphs. Inductor captures a graph only when all its tensors sit on
-# one CUDA device; for a graph with no CUDA tensor it skips the capture without a log line, even
-# under ``TORCH_LOGS="cudagraphs"`` (torch 2.13: it only counts
-# ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``), so the layers silently run as
-# plain Inductor code. compile_layers warns once when the layers it compiles are on the CPU.
+# ask Inductor for CUDA graphs, which it captures only when all of a graph's tensors sit on one
+# CUDA device. For a graph with no CUDA tensor it skips the capture silently, even under
+# ``TORCH_LOGS="cudagraphs"`` (torch 2.13 only counts
+# ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``): the layers run as plain
+# Inductor code. So compile_layers warns once when the layers it compiles are on the CPU.
 
 # Note: [No CUDA graphs with swap]
-# Under cudagraph trees a layer's output is the next layer's input, the tensor the swap frees.
-# In the warm-up runs it is an ordinary storage in the trees' private memory pool: the swap
-# returns its block to that pool and restores it from the normal one, and the trees' own check of
-# their pool (``check_memory_pool``, on by default) then fails the step. After warm-up, outputs
-# of a replay cannot be resized, so none is swapped and the swap saves nothing. compile_layers
-# therefore refuses CUDA graphs with ``swap=True`` when the layers are on an accelerator, before
-# the first step, and names what to use instead; ``swap=False`` keeps them.
+# Under cudagraph trees a layer's output, the next layer's input, is what the swap frees. In the
+# warm-up runs it lives in the trees' private memory pool: the swap returns its block to that pool
+# and restores it from the normal one, and the trees' pool check (``check_memory_pool``, on by
+# default) fails the step. After warm-up a replay's outputs cannot be resized: nothing is swapped.
+# So compile_layers refuses CUDA graphs with ``swap=True`` on an accelerator, before the first
+# step, naming what to use instead; ``swap=False`` keeps them.
 
 
 def _asks_for_cuda_graphs(backend: str | Callable, compile_kwargs: dict[str, Any]) -> bool:
@@ -204,9 +201,8 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor", *,
         **compile_kwargs: Passed to ``torch.compile`` (``mode="max-autotune-no-cudagraphs"``,
             ``dynamic=...``, ``fullgraph=...``). CUDA graphs (``mode="reduce-overhead"``,
             ``"max-autotune"``, ``options={"triton.cudagraphs": True}``) are refused with
-            ``swap=True`` on an accelerator (Note: [No CUDA graphs with swap]); layers on the
-            CPU run as plain Inductor code, with a one-time ``RuntimeWarning`` (Note: [CUDA
-            graphs only on CUDA]).
+            ``swap=True`` on an accelerator (Note: [No CUDA graphs with swap]); on the CPU they
+            are skipped with a one-time ``RuntimeWarning`` (Note: [CUDA graphs only on CUDA]).
 
     Returns:
         A :class:`CompiledLayers` handle; ``remove()`` or leaving ``with`` restores the model.

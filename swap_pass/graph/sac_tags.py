@@ -10,17 +10,16 @@ Joint graph (one checkpointed region, a policy tagging ``addmm`` ``MUST_CPU_OFFL
 
 Note: [Offload tags in compiled graphs]
     torch's selective checkpointing under ``torch.compile`` writes each op's policy into the
-    joint graph (``node.meta["recompute"]``, with the region in ``node.meta["ac_graph_id"]``);
-    its partitioner knows only ``*_SAVE`` and ``*_RECOMPUTE``, so ``*_CPU_OFFLOAD`` nodes are left
-    to the min-cut. Before partitioning, :func:`take_offload_tags` records the offload-tagged
-    nodes and re-tags them ``MUST_SAVE``; after it, :func:`plan_offloads` gives each of them
-    that the forward saves a swap (beside the layer inputs or the budget choice), its host-to-
-    device copy started one layer ahead of the layer that holds it (at the top of backward
-    when it sits in no layer, or in the graph's last). A tagged node the forward cannot swap (it
-    is also a user-visible output, a graph input, or not dense) is an error naming its op under
-    ``MUST_CPU_OFFLOAD``, and under ``PREFER_CPU_OFFLOAD`` stays saved on the device, counted
-    (``SkipReason.OFFLOAD_FALLBACK``). A tagged node backward does not read is not saved at all:
-    there is nothing to swap, and nothing is recomputed.
+    joint graph (``node.meta["recompute"]``, the region in ``node.meta["ac_graph_id"]``); its
+    partitioner knows only ``*_SAVE`` and ``*_RECOMPUTE``, leaving ``*_CPU_OFFLOAD`` to the
+    min-cut. So :func:`take_offload_tags` records the offload-tagged nodes and re-tags them
+    ``MUST_SAVE`` before partitioning; after it, :func:`plan_offloads` swaps each one the forward
+    saves (beside the layer inputs or the budget choice), its host-to-device copy started one
+    layer ahead (at the top of backward when it is in no layer, or in the graph's last). One the
+    forward cannot swap (also a user-visible output, a graph input, or not dense) is an error
+    naming its op under ``MUST_CPU_OFFLOAD``; under ``PREFER_CPU_OFFLOAD`` it stays saved on the
+    device, counted (``SkipReason.OFFLOAD_FALLBACK``). One backward does not read is not saved at
+    all: nothing to swap, nothing recomputed.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from torch import fx
 from swap_pass.config import SwapConfig
 from swap_pass.graph.aot_pass import _Planned, _saved, _swappable_bytes
 from swap_pass.graph.boundaries import LayerFilter, find_layers
-from swap_pass.runtime.skips import SkipReason, record_skip
+from swap_pass.runtime.stats import SkipReason, record_skip
 
 __all__ = ["plan_offloads", "take_offload_tags"]
 
@@ -51,8 +50,7 @@ def _offload_policies() -> tuple[Any, ...]:
 def take_offload_tags(joint: fx.GraphModule) -> dict[str, Any]:
     """Re-tag the joint graph's ``*_CPU_OFFLOAD`` nodes ``MUST_SAVE``; return their tags by name.
 
-    Nodes whose value is a tuple keep their tag (the partitioner saves their ``getitem`` nodes,
-    which carry the tag too).
+    Tuple-valued nodes keep their tag (the partitioner saves their ``getitem`` nodes, tagged too).
     """
     offload = _offload_policies()
     if not offload:

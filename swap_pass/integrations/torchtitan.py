@@ -37,6 +37,8 @@ Note: [CUDA graphs]
 from __future__ import annotations
 
 import dataclasses
+import enum
+import typing
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
@@ -49,6 +51,7 @@ from swap_pass.eager.enable import (
     enable_swap_layer_input,
     find_layer_blocks,
 )
+from swap_pass.state import torchtitan_config_classes as _config_classes
 
 try:
     from torchtitan.protocols.model import ModelConfigConverter
@@ -65,6 +68,31 @@ _STATE_ATTR = "_swap_pass_torchtitan"
 _FIELD = "swap_layer_input"
 
 
+def _swap_config(self) -> SwapConfig:
+    """The :class:`swap_pass.SwapConfig` these knobs make (validated)."""
+    return SwapConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SwapConfig)})
+
+
+def _converter_config() -> type:
+    """The converter's ``Config``: every :class:`swap_pass.SwapConfig` field (same name, type and
+    default; an enum default as its value, which torchtitan's command line parses) and
+    ``filter_fqns``: blocks whose name in the model matches one of these ``fnmatch`` patterns
+    (e.g. ``"layers.0"``, ``"layers.1*"``) keep their input on the device."""
+    hints = typing.get_type_hints(SwapConfig)
+    fields = []
+    for f in dataclasses.fields(SwapConfig):
+        kind, default = hints[f.name], f.default
+        if isinstance(default, enum.Enum):
+            kind, default = type(default.value), default.value
+        fields.append((f.name, kind, field(default=default)))
+    fields.append(("filter_fqns", list[str], field(default_factory=list)))
+    return dataclasses.make_dataclass(
+        "Config", fields, bases=(ModelConfigConverter.Config,), kw_only=True, slots=True,
+        namespace={"swap_config": _swap_config, "__qualname__": "SwapLayerInputConverter.Config",
+                   "__module__": __name__,
+                   "__doc__": "SwapConfig's knobs and ``filter_fqns``: see ``_converter_config``."})
+
+
 class SwapLayerInputConverter(ModelConfigConverter):
     """torchtitan model converter: the built model swaps each block's input to host memory.
 
@@ -74,40 +102,7 @@ class SwapLayerInputConverter(ModelConfigConverter):
     List it after the converters that replace modules (quantization, LoRA).
     """
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(ModelConfigConverter.Config):
-        max_host_bytes: int | None = None
-        """Cap on host bytes held at once (pooled buffers included); None: no cap."""
-
-        on_host_exhausted: str = "error"
-        """``"error"`` or ``"keep_on_device"`` when a host buffer cannot be had."""
-
-        min_swap_bytes: int = 0
-        """Storages smaller than this stay on the device."""
-
-        prefetch: bool = True
-        """Start a layer's host-to-device copy ahead of its backward."""
-
-        pin_memory: bool = True
-        """Pinned host buffers when an accelerator is present."""
-
-        use_streams: bool = True
-        """Copies on side streams when an accelerator is present."""
-
-        prefetch_layers: int = 1
-        """How many layers ahead of its backward a swapped input's copy back starts."""
-
-        max_copies_in_flight: int | None = None
-        """Most copies started and not yet waited for, per direction; None: no limit."""
-
-        filter_fqns: list[str] = field(default_factory=list)
-        """Blocks whose name in the model matches one of these ``fnmatch`` patterns (e.g.
-        ``"layers.0"``, ``"layers.1*"``) keep their input on the device."""
-
-        def swap_config(self) -> SwapConfig:
-            """The :class:`swap_pass.SwapConfig` these knobs make (validated)."""
-            return SwapConfig(**{f.name: getattr(self, f.name)
-                                 for f in dataclasses.fields(SwapConfig)})
+    Config = _converter_config()
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -135,9 +130,6 @@ class SwapLayerInputConverter(ModelConfigConverter):
         kept = {f.name: getattr(model_config, f.name)
                 for f in dataclasses.fields(model_config) if f.init}
         return cls(**kept, **{_FIELD: self.config})
-
-
-_config_classes: dict[type, type] = {}
 
 
 def _swap_config_class(base: type) -> type:

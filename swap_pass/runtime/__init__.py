@@ -4,26 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from swap_pass.runtime import live_groups as _live_groups
-from swap_pass.runtime import ownership as _ownership
-from swap_pass.runtime import skips as _skips
 from swap_pass.runtime import stats as _stats
+from swap_pass.runtime.chain import SwapLayerInputManager
 from swap_pass.runtime.device import accelerator_type, device_streams, is_async_device
 from swap_pass.runtime.errors import HostMemoryError, SwapDataError, SwapStateError
-from swap_pass.runtime.host_pool import available_host_bytes, host_pool, preflight
-from swap_pass.runtime.manager import SwapLayerInputManager
-from swap_pass.runtime.skips import SkipReason
-from swap_pass.runtime.stats import SwapStats
-from swap_pass.runtime.swap_tensors import (
+from swap_pass.runtime.group import (
     SwapState,
     SwapTensors,
+    clear_owners,
     discard_groups_off_device,
     is_valid_for_swap,
     kept_groups,
-    rearm_warnings,
     retry_kept_groups,
     unrestored_error,
 )
+from swap_pass.runtime.host_pool import available_host_bytes, host_pool, preflight
+from swap_pass.runtime.stats import SkipReason, SwapStats
+from swap_pass.state import rearm_warnings, reset_hooks
 
 __all__ = [
     "HostMemoryError",
@@ -46,13 +43,10 @@ __all__ = [
     "swap_stats",
 ]
 
-_reset_hooks: list[Callable[[], None]] = []
-
-
 def register_reset_hook(fn: Callable[[], None]) -> Callable[[], None]:
     """Have :func:`reset` call ``fn`` (a path's own pending state, e.g. graph-op registries)."""
-    if fn not in _reset_hooks:
-        _reset_hooks.append(fn)
+    if fn not in reset_hooks:
+        reset_hooks.append(fn)
     return fn
 
 
@@ -76,17 +70,15 @@ def reset() -> None:
             later ``reset()`` or its backward brings it back. Nothing is dropped.
     """
     earlier = kept_groups()  # kept by an earlier reset: tried once more here
-    for fn in list(_reset_hooks):
+    for fn in list(reset_hooks):
         fn()
     SwapLayerInputManager.reset_all()
     discard_groups_off_device(restore=True)
     retry_kept_groups(earlier)
     failed = kept_groups()
-    _live_groups.clear()
+    clear_owners()
     host_pool().clear()
     rearm_warnings()
-    _ownership.rearm_warnings()
-    _skips.rearm_warnings()
     _stats.clear()
     if failed:
         raise unrestored_error(failed, "reset")

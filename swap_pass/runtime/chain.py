@@ -1,6 +1,24 @@
-"""``LayerChain``: the ordered per-layer managers of one model, and what they share.
+"""The layer-input protocol: its steps, one layer's queue of groups, and the chain of layers.
 
-Who owns what (the eager paths)::
+Free after the next layer, restore before backward. Every way in that swaps layer inputs in eager
+autograd follows it (the eager wrappers and ``enable_swap_layer_input`` in
+``swap_pass/eager/_protocol.py``, the FBOverlap wrappers in ``swap_pass/eager/wrappers.py``, and
+the nodes ``apply_swap_pass`` inserts in ``swap_pass/graph/passes.py``). For the input ``x_i`` of
+every layer but the last, one micro-batch::
+
+    forward:  group_i = manager_i.swap_out(x_i): start its D2H copy, at layer i's entry
+              once one layer ran alongside the copy:  free_if_unheld(group_i, ...)
+                  (eager, apply_swap_pass: after layer i+1; FBOverlap: when layer i returns)
+                  freed  -> x_i's device storage is gone until backward
+                  kept   -> another holder reads it: manager_i.keep_on_device(group_i)
+    backward: before the first reader of x_i:  restore_for_backward(group_i, ...)
+              then:                            prefetch_ahead(groups backward reads next, config)
+
+The caller decides *where* each step runs (a gradient hook, an autograd ``Function``, a wrapper
+around a fused schedule); the functions here decide *what* happens there, so the ownership check,
+the order of waits and the prefetch limits are the same on every path.
+
+Who owns what::
 
     SwapLayerInputHandle (enable_swap_layer_input)  ->  LayerChain  ->  SwapLayerInputManager, ...
     decorated layers, one module_tag                ->  LayerChain  (kept by tag, see below)
@@ -8,11 +26,11 @@ Who owns what (the eager paths)::
 
 A chain numbers its managers (each manager's ``layer_idx``, ``previous``, ``next``,
 ``is_last_layer``), lists the device-to-host copies its managers started that may still run
-(``copying``), and carries the per-step flags of the protocol in ``swap_pass/eager/_protocol.py``.
-A handle owns the chain of its model: the chain lives as long as the handle or the model's
-managers. Managers built without a chain (MindSpeed's decorators, direct construction) join the
-chain of their ``module_tag``, which this module keeps until :func:`swap_pass.reset`.
-``SwapLayerInputManager.manager_map`` is a read-only view of every live chain.
+(``copying``), and carries the per-step flags of the eager driver. A handle owns the chain of its
+model: the chain lives as long as the handle or the model's managers. Managers built without a
+chain (MindSpeed's decorators, direct construction) join the chain of their ``module_tag``, kept
+in ``state.chains_by_tag`` until :func:`swap_pass.reset`. ``SwapLayerInputManager.manager_map``
+is a read-only view of every live chain.
 
 Note: [Reset retires a chain's managers]
     :func:`swap_pass.reset` restores every group in flight and empties every chain: its managers
@@ -20,7 +38,7 @@ Note: [Reset retires a chain's managers]
     alive joins its chain again at its next call (:meth:`LayerChain.rejoin`), together with its
     peers, in their old order, so the first step after a reset swaps exactly like the steps
     before it, and managers of layers that died meanwhile are gone. Chains kept by tag are
-    dropped from this module at a reset: their managers keep them.
+    dropped at a reset: their managers keep them.
 """
 
 from __future__ import annotations
@@ -28,23 +46,371 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from types import MappingProxyType
 
-from swap_pass.runtime.swap_tensors import D2H, SwapTensors
+import torch
 
-if TYPE_CHECKING:
-    from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.config import SwapConfig, check_config
+from swap_pass.opt_out import swap_allowed
+from swap_pass.runtime.device import is_async_device
+from swap_pass.runtime.freeing import claim_not_plain, may_free, swappable_layer_inputs
+from swap_pass.runtime.group import (
+    D2H,
+    DEVICE,
+    H2D,
+    HOST,
+    SwapTensors,
+    is_valid_for_swap,
+    restore_or_keep,
+)
+from swap_pass.runtime.host_pool import block_bytes, preflight
+from swap_pass.runtime.stats import SkipReason, record_skip
+from swap_pass.state import chains as _chains
+from swap_pass.state import chains_by_tag as _by_tag
+from swap_pass.state import chains_lock as _lock
 
-__all__ = ["LayerChain", "chain_of_tag", "chains", "find_chain", "layer_map", "reset_chains",
+__all__ = ["LayerChain", "SwapLayerInputManager", "chain_of_tag", "find_chain",
+           "free_if_unheld", "layer_map", "prefetch_ahead", "reset_chains", "restore_for_backward",
            "still_copying"]
 
-# One lock for every chain's membership and for the two tables below: registration is rare
-# (construction, enable, remove, the first call after a reset), the swap path takes no lock.
-_lock = threading.RLock()
-# Every live chain by tag: what manager_map shows. Weak: a chain lives as long as its owner.
-_chains: weakref.WeakValueDictionary[str, LayerChain] = weakref.WeakValueDictionary()
-# The chains no handle owns (decorators, managers built directly), kept until reset().
-_by_tag: dict[str, LayerChain] = {}
+
+# --- the protocol's steps -------------------------------------------------------------------------
+
+
+def free_if_unheld(group: SwapTensors, name: str, roots: Sequence[torch.Tensor], *,
+                   accounted: Sequence[torch.Tensor] = ()) -> bool:
+    """Free ``group``'s device storage once its copy ran, if nothing but autograd holds it.
+
+    Args:
+        group: A group in state "d2h" (its copy started one layer ago).
+        name: The layer named in the ownership warning.
+        roots: Where the graph that saved the group's tensors is reached (see
+            :func:`swap_pass.runtime.freeing.may_free`).
+        accounted: Holders the caller knows of and accounts for. Default: ``()``.
+
+    Returns:
+        True when the storage was freed (state "host"); False when another holder is left and
+        the caller must keep the group on the device (it is still in state "d2h").
+    """
+    group.wait_copy_out()  # its source is no holder once the copy ran
+    if may_free(group.tensors, name, roots=roots, since=group.entry_mark, accounted=accounted):
+        group.wait_d2h()
+        return True
+    return False
+
+
+def restore_for_backward(group: SwapTensors, fifo: list[SwapTensors] | None = None,
+                         reader: str | None = None) -> None:
+    """Make ``group`` readable on the device, from any state, before its first reader.
+
+    Args:
+        group: The layer input group.
+        fifo: The manager's ``batch_stack`` the group is dropped from, if any. Default: ``None``.
+        reader: Named in the error if the group is still not readable (then
+            :meth:`SwapTensors.assert_on_device` is checked). Default: ``None`` (no check).
+    """
+    if group.stat is not DEVICE:
+        group.restore()
+    if fifo is not None and group in fifo:  # groups compare by identity
+        fifo.remove(group)
+    if reader is not None:
+        group.assert_on_device(reader)
+
+
+def prefetch_ahead(groups: Iterable[SwapTensors | None], config: SwapConfig) -> None:
+    """Start the host-to-device copies of ``groups`` (the inputs backward reads next, nearest
+    first, stopping at the first None): ``SwapConfig.prefetch_layers`` of them, while at most
+    ``SwapConfig.max_copies_in_flight`` of those copies run at once."""
+    limit, in_flight, ahead = config.max_copies_in_flight, 0, iter(groups)
+    for _ in range(config.prefetch_layers):
+        group = next(ahead, None)
+        if group is None:
+            return
+        if group.stat is HOST:
+            if limit is not None and in_flight >= limit:
+                return
+            group.swap_to_device()
+        in_flight += group.stat is H2D
+
+
+# --- one layer's queue ----------------------------------------------------------------------------
+# A manager keeps one layer's groups for the steps above: ``batch_stack`` is a FIFO with one
+# :class:`SwapTensors` per micro-batch in flight. Pipeline schedules run the backwards of one layer
+# in the order of its forwards, so the oldest group is the one the next backward needs; callers
+# that hold their group pass it explicitly instead. :meth:`SwapLayerInputManager.keep_on_device`
+# gives up on a group (it stays, or comes back, on the device and leaves the FIFO);
+# :meth:`SwapLayerInputManager.wait_swap_in` is the backward's wait, MindSpeed's name.
+
+
+def _rebuild_manager(chain: LayerChain, custom_check_fn, prefetch: bool,
+                     config: SwapConfig) -> SwapLayerInputManager:
+    return SwapLayerInputManager(chain.tag, custom_check_fn, prefetch, config, chain=chain)
+
+
+class _ManagerMapView:
+    """``SwapLayerInputManager.manager_map``: ``{module_tag: [manager, ...]}`` of every live
+    chain with registered managers, in layer order; read-only (built at each read)."""
+
+    def __get__(self, obj: object, owner: type) -> MappingProxyType:
+        return MappingProxyType(layer_map())
+
+
+def _opted_out(tensors: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+    """Count ``tensors`` as kept inside :func:`swap_pass.no_swap`; claim none of them."""
+    for t in tensors:
+        record_skip(SkipReason.NO_SWAP, t.numel() * t.element_size(), where=where)
+    return []
+
+
+class SwapLayerInputManager:
+    """Swap bookkeeping of one layer instance: its place in a :class:`LayerChain`, its FIFO.
+
+    Args:
+        module_tag: Groups managers into one layer sequence (one block type): a manager built
+            without ``chain`` joins the chain of its tag. Default: ``"default"``.
+        custom_check_fn: Extra predicate for which tensors may be swapped. Default: ``None``.
+        prefetch: Whether backward should start this layer's H2D one layer ahead. Default: ``True``.
+        config: Runtime knobs shared by the layer's groups. Default: ``SwapConfig()``.
+        chain: The chain to join as its last layer (a handle's: one model). Default: ``None``
+            (the chain of ``module_tag``).
+
+    Attributes:
+        manager_map: Class-level, read-only ``{module_tag: [manager, ...]}`` of every chain, in
+            layer order (a view: see ``swap_pass/runtime/chain.py``).
+        chain: The chain this manager belongs to.
+        module_tag: Its chain's tag.
+        layer_idx: This manager's position in its chain.
+        previous: The manager of the layer before this one, if any (None once unregistered).
+        next: The manager of the layer after this one, if any (None once unregistered).
+        is_last_layer: True for the last layer of the chain, whose input is never swapped.
+        name: The layer's name in warnings and errors: ``"<module_tag>.layers[<layer_idx>]"``.
+        batch_stack: FIFO of this layer's groups in flight, one per micro-batch.
+        layer_parameter: A weak reference to the layer's first parameter, kept by the eager
+            wrappers for their device check (see ``check_device`` in
+            ``swap_pass/eager/_protocol.py``); None until the first call.
+    """
+
+    manager_map = _ManagerMapView()
+
+    def __init__(
+        self,
+        module_tag: str = "default",
+        custom_check_fn: Callable[[torch.Tensor], bool] | None = None,
+        prefetch: bool = True,
+        config: SwapConfig | None = None,
+        *,
+        chain: LayerChain | None = None,
+    ) -> None:
+        self.chain = chain_of_tag(module_tag) if chain is None else chain
+        self.module_tag = self.chain.tag
+        self.custom_check_fn = custom_check_fn
+        self.config = (SwapConfig(prefetch=prefetch) if config is None
+                       else check_config(config, "SwapLayerInputManager"))
+        self.prefetch_enabled = prefetch and self.config.prefetch
+        self.batch_stack: list[SwapTensors] = []
+        self.layer_parameter: weakref.ref[torch.nn.Parameter] | None = None
+        self._preflighted: set[int] = set()
+        self.chain.add(self)
+
+    def __repr__(self) -> str:
+        return (f"SwapLayerInputManager(module_tag={self.module_tag!r}, "
+                f"layer_idx={self.layer_idx}, "
+                f"num_layers={self.num_layers}, in_flight={len(self.batch_stack)})")
+
+    def __reduce__(self) -> tuple:
+        """Copy (deepcopy, pickle) as a fresh manager with nothing in flight, under a new tag."""
+        if self.batch_stack:
+            raise RuntimeError(
+                f"swap_pass.SwapLayerInputManager: cannot copy or pickle {self.name}: "
+                f"{len(self.batch_stack)} swapped input(s) of a forward are still in flight. "
+                "Copy the model after backward (or after swap_pass.reset())."
+            )
+        return (_rebuild_manager, (self.chain, self.custom_check_fn, self.prefetch_enabled,
+                                   self.config))
+
+    # --- position in the layer sequence -------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        """Number of managers in this manager's chain."""
+        return len(self.chain.layers)
+
+    def _set_place(self, idx: int, previous: SwapLayerInputManager | None,
+                   next: SwapLayerInputManager | None, *, registered: bool = True) -> None:
+        self.layer_idx = idx
+        self.previous = previous
+        self.next = next
+        self.is_last_layer = registered and next is None
+        self.name = f"{self.module_tag}.layers[{idx}]"
+        self._in_map = registered
+
+    def _drop_place(self) -> None:
+        """Out of its chain: no neighbours until registered again (index kept)."""
+        self._set_place(self.layer_idx, None, None, registered=False)
+
+    def ensure_registered(self) -> None:
+        """Called at each layer call: after :func:`swap_pass.reset`, join the chain again.
+
+        The managers of the chain that reset() retired come back together, in their old order,
+        so that the first step after a reset swaps exactly like the steps before it (Note:
+        [Reset retires a chain's managers] in ``swap_pass/runtime/chain.py``).
+        """
+        if self._in_map:  # every call but the first after a reset
+            return
+        self.chain.rejoin(self)
+
+    def unregister(self) -> None:
+        """Leave the chain (restoring this manager's groups); the rest is renumbered."""
+        self.clear()
+        self.chain.remove(self)
+
+    # --- forward side -------------------------------------------------------------------------
+
+    def claim(self, tensors: list[torch.Tensor], *,
+              leaves_owned: bool = False) -> list[torch.Tensor]:
+        """The layer inputs that may leave the device, decided at the layer's entry.
+
+        See Note: [Ownership rule] in ``swap_pass/runtime/freeing.py``: user data and storages
+        another live tensor shares stay (counted in :func:`swap_pass.swap_stats`).
+        ``leaves_owned``: see :func:`swap_pass.runtime.freeing.swappable_layer_inputs`.
+        A ``DTensor`` or ``AsyncCollectiveTensor`` input gives its local tensor in its place;
+        any other tensor that may not leave is counted by reason (see Note: [Swapping through
+        the local tensor] in ``swap_pass/runtime/freeing.py``). Inside
+        :func:`swap_pass.no_swap` nothing is claimed (counted under ``SkipReason.NO_SWAP``).
+        """
+        if not swap_allowed():
+            return _opted_out(tensors, self.name)
+        valid = []  # a loop, not a comprehension: most calls pass one tensor
+        for t in tensors:
+            if is_valid_for_swap(t, self.custom_check_fn):
+                valid.append(t)
+            else:  # the rare path: a wrapper subclass, or a tensor to count as skipped
+                return self._claim_mixed(list(tensors), leaves_owned)
+        return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned)
+
+    def _claim_mixed(self, tensors: list[torch.Tensor], leaves_owned: bool) -> list[torch.Tensor]:
+        """:meth:`claim` for inputs of which some are not plain swappable tensors."""
+        valid, local = [], []
+        for t in tensors:
+            if is_valid_for_swap(t, self.custom_check_fn):
+                valid.append(t)
+                continue
+            kept = claim_not_plain(t, self.name, self.custom_check_fn, leaves_owned=leaves_owned)
+            if kept is not None:
+                local.append(kept)
+        return swappable_layer_inputs(valid, self.name, leaves_owned=leaves_owned) + local
+
+    def swap_out(self, tensors: Iterable[torch.Tensor], name: str | None = None, *,
+                 copy_span: bool = False,
+                 compute_stream: torch.Stream | None = None) -> SwapTensors:
+        """Queue a group for ``tensors`` (one micro-batch) and start its device-to-host copy.
+
+        The first layer's first group of each size runs :meth:`preflight_for` first.
+        ``copy_span`` is for the list that :meth:`claim` returned (see :class:`SwapTensors`):
+        its tensors are not checked again, and the group keeps the list. ``compute_stream``:
+        the stream current at the layer's entry (default: the current one).
+        """
+        group = SwapTensors(tensors, custom_check_fn=self.custom_check_fn, config=self.config,
+                            name=name or self.name, copy_span=copy_span, checked=copy_span,
+                            compute_stream=compute_stream)
+        if self.layer_idx == 0:  # in the bytes the host allocator sets aside (pinned: rounded)
+            pinned = (self.config.pin_memory and group.device is not None
+                      and is_async_device(group.device))
+            self.preflight_for(block_bytes(group.host_nbytes, pinned))
+        self.batch_stack.append(group)
+        group.swap_to_host()
+        self.chain.note_copy(self, group)
+        return group
+
+    def copying_earlier(self) -> list[tuple[SwapLayerInputManager, SwapTensors]]:
+        """``(manager, group)`` for earlier layers' groups whose device-to-host copy runs.
+
+        Nearest layer first, each layer's groups in micro-batch order; empty when this manager
+        is not registered.
+        """
+        if not self.chain.copying or not self._in_map:
+            return []
+        found = self.chain.copying_before(self.layer_idx)
+        if len(found) > 1:  # nearest layer first; sort is stable: micro-batch order kept
+            found.sort(key=lambda entry: -entry[0].layer_idx)
+        return found
+
+    def preflight_for(self, group_nbytes: int) -> None:
+        """Before the first step of a shape: check the host can hold every layer's group at once.
+
+        Every layer but the last holds a group of about ``group_nbytes`` on the host at the end
+        of forward, so ``group_nbytes * (num_layers - 1)`` must fit in available host memory.
+        Checked once per size; only under ``on_host_exhausted="error"`` (the cap itself is
+        enforced by the pool when buffers are taken).
+
+        Raises:
+            HostMemoryError: naming the bytes needed and the bytes available.
+        """
+        if group_nbytes in self._preflighted or self.config.on_host_exhausted != "error":
+            return
+        preflight(group_nbytes * max(self.num_layers - 1, 1))
+        self._preflighted.add(group_nbytes)
+
+    # --- backward side ------------------------------------------------------------------------
+
+    def wait_swap_in(self, group: SwapTensors | None = None) -> SwapTensors | None:
+        """Make ``group`` (default: the oldest) readable on the device and drop it from the FIFO.
+
+        Whatever state the group is in, this returns with its data on the device and the compute
+        stream ordered after the copy: call it before the first reader of the layer's input.
+        """
+        if group is None:
+            if not self.batch_stack:
+                return None
+            group = self.batch_stack[0]
+        restore_for_backward(group, self.batch_stack)
+        return group
+
+    def keep_on_device(self, group: SwapTensors) -> None:
+        """Give up on swapping ``group``: its data stays on (or comes back to) the device and it
+        leaves the FIFO (a group no guard can protect, or one another holder reads)."""
+        restore_for_backward(group, self.batch_stack)
+
+    # --- cleanup ------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Bring every group in flight back to the device and forget it (buffers to the pool).
+
+        Its tensors may still be read (a backward that runs later, the caller's own reference):
+        their data is restored, never dropped.
+        """
+        while self.batch_stack:  # a group that cannot be restored now is kept, never dropped
+            restore_or_keep(self.batch_stack.pop(0))
+
+    def discard(self, group: SwapTensors) -> None:
+        """Discard one group whose tensors will never be read again (its graph was freed)."""
+        group.discard()
+        self.keep_on_device(group)  # the group is in state "device" now: this only forgets it
+
+    # --- class-level helpers ------------------------------------------------------------------
+
+    @classmethod
+    def managers(cls, module_tag: str = "default") -> list[SwapLayerInputManager]:
+        """The managers registered in the chain named ``module_tag``, in layer order (a copy)."""
+        chain = find_chain(module_tag)
+        return chain.managers() if chain is not None else []
+
+    @classmethod
+    def reset_all(cls) -> None:
+        """Restore every group of every chain and empty ``manager_map``.
+
+        A manager whose layer is still alive joins its chain again at its next call
+        (:meth:`ensure_registered`), with its peers in their old order.
+        """
+        reset_chains()
+
+
+# --- the chain ------------------------------------------------------------------------------------
+
+
+# Chain membership (state.chains, state.chains_by_tag) takes state.chains_lock: registration is
+# rare (construction, enable, remove, the first call after a reset); the swap path takes no lock.
 _copy_numbers = itertools.count(1)
 
 # A chain's list of copies that may still run is compacted by every copying_earlier() call; one
@@ -224,12 +590,6 @@ def chain_of_tag(tag: str) -> LayerChain:
 def find_chain(tag: str) -> LayerChain | None:
     """The live chain named ``tag``, if any."""
     return _chains.get(tag)
-
-
-def chains() -> list[LayerChain]:
-    """Every live chain, oldest first."""
-    with _lock:
-        return list(_chains.values())
 
 
 def layer_map() -> dict[str, list[SwapLayerInputManager]]:

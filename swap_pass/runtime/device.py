@@ -1,17 +1,15 @@
 """Device layer: which accelerator is present, its side streams and events, and a CPU fallback.
 
-Copy pattern this module serves (events order the streams; the storage is freed after the
-compute stream waited on the copy)::
+Copy pattern (events order the streams; a storage is freed once compute waited on its copy)::
 
     compute:  ... produce x ... record(e_ready)            wait(e_d2h) free(x)
     d2h:                         wait(e_ready) copy x->host record(e_d2h)
 
 Everything is device-generic (``torch.Stream``, ``torch.Event``, ``torch.get_device_module``).
-On CPU there are no streams or events: transfers run synchronously on the caller's thread and
-every wait is a no-op, but the copy, the free and the restore still happen. Every copy the runtime
-issues on a side stream goes through :meth:`DeviceStreams.copy`, and every storage a swap frees
-through :meth:`DeviceStreams.free_storage`, so that :func:`swap_pass.testing.stream_model` can
-make CPU behave like an asynchronous device (queued copies, poisoned destinations).
+On CPU there are no streams or events: copies run synchronously and waits are no-ops. Every side
+stream copy goes through :meth:`DeviceStreams.copy` and every free through
+:meth:`DeviceStreams.free_storage`: the one place a device-specific rule (torch_npu's formats,
+the test accelerator's checks) or an injected failure (``swap_pass.testing``) meets them.
 """
 
 from __future__ import annotations
@@ -19,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import threading
 from collections.abc import Callable
 
 import torch
 from torch.autograd.profiler import record_function
+
+from swap_pass.state import free_checks as _free_checks
+from swap_pass.state import streams as _streams
+from swap_pass.state import streams_lock as _streams_lock
 
 __all__ = [
     "COPY_RANGE",
@@ -72,15 +73,12 @@ def is_async_device(device: torch.device | str) -> bool:
 # --- storages a device cannot free in place ----------------------------------------------------
 
 # Note: [Storages a device cannot free]
-# A swap frees a storage with ``resize_(0)`` and gives it its bytes back with ``resize_(n)``.
-# Some storages refuse: torch_npu resizes only storages in a base format (ND, NCHW, NHWC,
-# NCDHW) and raises "Try to resize a storage without base format" for private ones (NZ, 5HD),
-# which ops may produce where internal formats are allowed. Such a storage is found when its
-# group is made, by the check registered for its device type, and stays on the device, counted
-# as ``skipped_bytes["non_resizable"]``, instead of failing the free in the middle of a step.
-
-# Per device type: a check that returns why a tensor's storage cannot be freed in place, or None.
-_free_checks: dict[str, Callable[[torch.Tensor], str | None]] = {}
+# A swap frees a storage with ``resize_(0)`` and refills it with ``resize_(n)``. Some storages
+# refuse: torch_npu resizes only storages in a base format (ND, NCHW, NHWC, NCDHW) and raises
+# "Try to resize a storage without base format" for private ones (NZ, 5HD), which ops may produce
+# where internal formats are allowed. The check registered for the device type (kept in
+# state.free_checks) finds such a storage when its group is made; it stays on the device
+# (``skipped_bytes["non_resizable"]``) instead of failing the free mid-step.
 
 # torch_npu's base formats (ACL format ids): the only ones its resize hook accepts.
 _NPU_BASE_FORMATS = frozenset({0, 1, 2, 30})  # NCHW, NHWC, ND, NCDHW
@@ -88,9 +86,8 @@ _NPU_BASE_FORMATS = frozenset({0, 1, 2, 30})  # NCHW, NHWC, ND, NCDHW
 
 def register_free_check(device_type: str,
                         check: Callable[[torch.Tensor], str | None] | None) -> None:
-    """Register ``check(tensor) -> reason | None`` for storages of ``device_type``: a reason
-    keeps the storage on the device (see Note: [Storages a device cannot free]). ``None``
-    removes the check."""
+    """Register ``check(tensor) -> reason | None`` for ``device_type`` (``None`` removes it): a
+    reason keeps the storage on the device (Note: [Storages a device cannot free])."""
     if check is None:
         _free_checks.pop(device_type, None)
     else:
@@ -152,11 +149,8 @@ class DeviceStreams:
         self._h2d: torch.Stream | None = None
 
     def compute_stream(self) -> torch.Stream | None:
-        """The stream the caller is computing on (the current stream), or None on CPU.
-
-        Read once, when a swap begins (see Note: [The compute stream of a swap] in
-        ``swap_tensors.py``): later, code may run inside the runtime's own ``with side_stream:``.
-        """
+        """The current stream (the caller's compute stream), or None on CPU: read once, when a
+        swap begins (Note: [The compute stream of a swap] in ``group.py``)."""
         if not self.is_async:
             return None
         return torch.accelerator.current_stream(self.device)
@@ -164,20 +158,20 @@ class DeviceStreams:
     def d2h_stream(self, compute: torch.Stream | None = None) -> torch.Stream | None:
         """Stream for device-to-host copies; when side streams are off, the swap's
         ``compute`` stream (default: the current stream)."""
-        if not self.use_streams:
-            return compute if compute is not None else self.compute_stream()
-        if self._d2h is None:
-            self._d2h = new_side_stream(self.device)
-        return self._d2h
+        return self._side_stream("_d2h", compute)
 
     def h2d_stream(self, compute: torch.Stream | None = None) -> torch.Stream | None:
-        """Stream for host-to-device copies; when side streams are off, the swap's
-        ``compute`` stream (default: the current stream)."""
+        """Stream for host-to-device copies; as :meth:`d2h_stream`."""
+        return self._side_stream("_h2d", compute)
+
+    def _side_stream(self, attr: str, compute: torch.Stream | None) -> torch.Stream | None:
         if not self.use_streams:
             return compute if compute is not None else self.compute_stream()
-        if self._h2d is None:
-            self._h2d = new_side_stream(self.device)
-        return self._h2d
+        stream = getattr(self, attr)
+        if stream is None:
+            stream = new_side_stream(self.device)
+            setattr(self, attr, stream)
+        return stream
 
     def record_event(self, stream: torch.Stream | None) -> torch.Event | _NoEvent:
         """Record an event on ``stream`` (a no-op event on CPU)."""
@@ -203,13 +197,9 @@ class DeviceStreams:
 
     def is_capturing(self, stream: torch.Stream | None) -> bool:
         """Whether ``stream`` (a swap's compute stream) or the current stream is capturing a
-        graph (CUDA graphs, torch_npu's NPU graphs): nothing may be queued then that touches
-        host buffers, waits on an event recorded outside the capture, or frees device memory.
-
-        Either answer says so: ``torch.Stream.is_capturing`` and the device module's
-        ``is_current_stream_capturing`` (``torch.cuda``, ``torch.xpu``, torch_npu's
-        ``torch.npu``); see Note: [Asking both capture queries]. None (CPU) never captures.
-        """
+        graph (CUDA graphs, torch_npu's NPU graphs): nothing that touches host buffers, waits on
+        an event recorded outside the capture or frees device memory may be queued then. Asks
+        both queries (Note: [Asking both capture queries]); None (CPU) never captures."""
         if stream is None:
             return False
         query = getattr(stream, "is_capturing", None)
@@ -224,27 +214,21 @@ class DeviceStreams:
         return bool(query()) if query is not None else False
 
     # Note: [Asking both capture queries]
-    # ``torch.Stream.is_capturing`` asks the device guard, whose default answer is False: a
-    # backend whose guard does not override it (torch_npu's NPUGuardImpl, the test accelerator)
-    # says False even in the middle of a capture, and only its device module
-    # (``torch.npu.is_current_stream_capturing``) knows. So a False from the stream is never
-    # the last word: the device module is asked too, and either True means capturing.
+    # ``torch.Stream.is_capturing`` asks the device guard, whose default answer is False: where
+    # the guard does not override it (torch_npu's NPUGuardImpl, the test accelerator) it says
+    # False mid-capture, and only the device module's ``is_current_stream_capturing``
+    # (``torch.cuda``, ``torch.xpu``, torch_npu's ``torch.npu``) knows. Either True means capturing.
 
     def copy(self, stream: torch.Stream | None, dst: torch.Tensor | torch.UntypedStorage,
-             src: torch.Tensor | torch.UntypedStorage, pinned: bool = False,
-             compute: torch.Stream | None = None) -> None:
-        """Copy ``src`` into ``dst`` on ``stream``; without blocking the host when the host side
-        is ``pinned`` (page-locked) on an accelerator. A pageable host side copies with
-        ``non_blocking=False``: an asynchronous copy from or to pageable memory is not
-        guaranteed by every backend.
+             src: torch.Tensor | torch.UntypedStorage, pinned: bool = False) -> None:
+        """Copy ``src`` into ``dst`` on ``stream``, without blocking the host when the host side
+        is ``pinned`` on an accelerator; a pageable host side copies with ``non_blocking=False``
+        (not every backend guarantees an asynchronous copy from or to pageable memory).
 
-        Tensors of one shape and dtype, or two storages of one size (every byte: one call instead
-        of a byte view of each side). The caller orders ``stream`` after the producer of ``src``
-        (and the allocation of ``dst``) first, and records an event after it for the consumer to
-        wait on. While ``torch.profiler`` records, the copy runs in a range named
+        Tensors of one shape and dtype, or two storages of one size. The caller orders ``stream``
+        after the producer of ``src`` (and the allocation of ``dst``) and records an event after
+        it for the consumer. While ``torch.profiler`` records, the copy runs in a range named
         :func:`copy_range_name` (``swap-pass bench`` reads CPU copy bandwidth from it).
-        ``compute``: the swap's compute stream, which ``stream`` was ordered after (the stream
-        model checks that order; a device needs nothing of it).
         """
         in_range = _enter_copy_range(dst) if _profiler_flag._is_profiler_enabled else None
         try:
@@ -259,19 +243,17 @@ class DeviceStreams:
 
     @staticmethod
     def keep_for_copy(tensor: torch.Tensor, stream: torch.Stream | None) -> None:
-        """Keep ``tensor``'s device storage from its allocator's pool until ``stream`` ran the
-        copy just queued there that reads it (``record_stream``): see Note: [Frees on the
-        allocating stream]. Nothing on CPU, whose copies are synchronous."""
+        """``record_stream``: keep ``tensor``'s storage out of its pool until ``stream`` ran the
+        copy queued there (Note: [Frees on the allocating stream]); nothing on CPU."""
         if stream is not None and tensor.device.type != "cpu":
             tensor.record_stream(stream)
 
     @staticmethod
-    def free_storage(storage: torch.UntypedStorage, compute: torch.Stream | None = None) -> None:
+    def free_storage(storage: torch.UntypedStorage) -> None:
         """Free a swapped-out storage in place (its tensors keep their metadata). The block goes
-        back to the pool of the stream it was allocated on, whatever stream is current;
-        ``compute`` is the swap's compute stream, which waited for the copy out, and the copy
-        out's stream was recorded on the storage when the copy was queued (see Note: [Frees on
-        the allocating stream])."""
+        back to its allocating stream's pool, whatever stream is current; the swap's compute
+        stream already waited for the copy out, whose stream was recorded on the storage (Note:
+        [Frees on the allocating stream])."""
         storage.resize_(0)
 
     def allocate_storage(self, storage: torch.UntypedStorage, nbytes: int,
@@ -283,37 +265,32 @@ class DeviceStreams:
 
 
 # Note: [Frees on the allocating stream]
-# A freed block goes back to the pool of the stream that allocated it, and that stream's next
-# allocation may take it at once. The copy out is ordered before the free on the swap's compute
-# stream (it waits on the copy's event first), which covers every storage allocated there. A
-# storage produced under another stream's context (``with torch.Stream(...)``: MoE, overlapped
-# communication, FSDP2) returns to that stream's pool, which no event of ours orders: its next
-# allocation can overwrite the block while the side stream's copy still reads it. PyTorch does
-# not say which stream allocated a storage, so the runtime cannot tell the two cases apart;
-# every storage a copy out reads gets ``record_stream(copy stream)`` when the copy is queued,
-# on devices with streams (CUDA, torch_npu, the test accelerator), and the allocator then keeps
-# the block until that stream ran what it had queued at the free.
+# A freed block returns to the pool of the stream that allocated it, whose next allocation may
+# take it at once. The free comes after the swap's compute stream waited on the copy's event,
+# which covers every storage allocated there. A storage produced under another stream's context
+# (``with torch.Stream(...)``: MoE, overlapped communication, FSDP2) returns to that stream's
+# pool, which no event of ours orders: its next allocation can overwrite the block while the side
+# stream's copy still reads it. PyTorch does not say which stream allocated a storage, so every
+# storage a copy out reads gets ``record_stream(copy stream)`` when the copy is queued, on devices
+# with streams (CUDA, torch_npu, the test accelerator); the allocator then keeps the block until
+# that stream ran what it had queued at the free.
 #
-# The cost is what makes PyTorch's activation-offloading pass avoid record_stream: the block
-# is reusable only once the copy stream is past the work queued at the free, not at the free
-# itself. Here the free already comes after the compute stream waited for this copy, so the
-# extra wait is only for the later copies out queued meanwhile (the next layers'), and a block
-# freed on the compute stream, which would have been reusable at once in stream order, waits
-# for them too, so the allocator may reserve a block more where it could have reused one.
-# Measured on the test accelerator (8 layers of 4 MiB inputs, freed one layer later, 5 steps;
-# docs/results.md): 40 to 44 MiB reserved against 36 MiB without it when the inputs come from
-# the compute stream (one or two blocks more, steady after a step or two), 48 MiB either way when
-# they come from another stream, where without it 9 frees per step raced their copy. Recording
-# only when needed would need the allocating stream, which PyTorch does not expose; a bounded
+# The cost (why PyTorch's activation-offloading pass avoids record_stream): a block is reusable only
+# once the copy stream is past the work queued at the free. The free already follows the compute
+# stream's wait for this copy, so the extra wait is for later copies out (the next layers'), but a
+# block freed on the compute stream, reusable at once in stream order, waits for them too: the
+# allocator may reserve a block more. On the test accelerator (8 layers of 4 MiB inputs, freed one
+# layer later, 5 steps; docs/results.md): 40 to 44 MiB reserved against 36 MiB without it for inputs
+# from the compute stream (one or two blocks more, steady after a step or two); 48 MiB either way
+# for inputs from another stream, where without it 9 frees per step raced their copy. A bounded
 # extra block or two is the price of never handing out a block a copy still reads.
 
 
 def new_side_stream(device: torch.device) -> torch.Stream:
     """A new stream on ``device`` for the side-stream copies.
 
-    ``torch.Stream(device=...)``; where the backend cannot make one that way (older torch_npu
-    releases lack the device guard's ``getNewStream``), the device module's ``Stream``
-    (``torch.npu.Stream``).
+    ``torch.Stream(device=...)``, else the device module's ``Stream`` (``torch.npu.Stream``:
+    older torch_npu releases lack the device guard's ``getNewStream``).
 
     Raises:
         RuntimeError: Neither can make a stream; names the way out (a torch_npu paired with
@@ -346,10 +323,8 @@ class _CppProfilerState:
         return torch._C._autograd._profiler_enabled()
 
 
-# torch.autograd.profiler keeps a Python flag beside its C++ state "for fast python checks"
-# (set by torch.profiler.profile and torch.autograd.profiler.profile): a module attribute read,
-# where torch._C._autograd._profiler_enabled() is a pybind call, about 0.7 us per copy inside a
-# step of the host-cost model (swap_pass.bench.host_cost; py-spy).
+# torch.autograd.profiler's Python flag "for fast python checks" (set by torch.profiler.profile
+# and torch.autograd.profiler.profile): an attribute read per copy, not a pybind call.
 _profiler_flag = (torch.autograd.profiler
                   if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
                   else _CppProfilerState())
@@ -370,31 +345,19 @@ def copy_range_name(nbytes: int) -> str:
 
 
 def entry_compute_stream(t: torch.Tensor) -> torch.Stream | None:
-    """The stream current on ``t``'s device now (None where copies are synchronous): read at a
-    layer's entry, it becomes the compute stream of the swap of ``t`` (see Note: [The compute
-    stream of a swap] in ``swap_tensors.py``)."""
+    """The current stream on ``t``'s device (None if copies are synchronous): at a layer's entry,
+    the compute stream of ``t``'s swap (Note: [The compute stream of a swap] in ``group.py``)."""
     ds = device_streams(t.device)
     return ds.compute_stream() if ds.is_async else None
 
 
-_streams_lock = threading.Lock()
-_streams: dict[tuple[torch.device, bool], DeviceStreams] = {}
-# Set by swap_pass.testing.stream_model while it is active: what makes the modelled DeviceStreams
-# of a CPU device.
-_cpu_model = None
-
-
 def device_streams(device: torch.device | str, use_streams: bool = True) -> DeviceStreams:
     """Return the (cached) :class:`DeviceStreams` of ``device``."""
-    if _cpu_model is None:
-        # Fast path, taken by every swap group: keys are complete devices (a device without
-        # its index, or a string, is never one and misses), and a plain dict read is atomic
-        # (only the first call per key takes the lock below).
-        cached = _streams.get((device, use_streams))
-        if cached is not None:
-            return cached
-    elif torch.device(device).type == "cpu":
-        return _cpu_model.streams(torch.device(device), use_streams)
+    # Fast path for every group: keys are complete devices (an index-less device or a string
+    # misses), and a dict read is atomic; only a key's first call takes the lock.
+    cached = _streams.get((device, use_streams))
+    if cached is not None:
+        return cached
     dev = torch.device(device)
     if dev.type != "cpu" and dev.index is None:
         dev = torch.device(dev.type, torch.accelerator.current_device_index())

@@ -1,56 +1,42 @@
 """Host buffers for swapped data, reused by size so that steady-state steps allocate nothing.
 
-Fresh pinned allocations cost milliseconds and can synchronize the device, so a buffer released
-after its host-to-device copy goes back to a bucket keyed by its block (the bytes the host
-allocator sets aside for it, see Note: [Pinned block bytes]) and pinning, and serves the next
-request that needs a block of that size: a request is handed a view of its own bytes at the
-start of the block (see Note: [One bucket per block]). ``SwapConfig.max_host_bytes`` caps
-everything the pool holds, cached buffers included, counted in block bytes; without it the pool
-keeps at most :data:`BOUND_FACTOR` times the most bytes it ever had in use at once (see Note:
-[The pool's default bound]). Cached buffers are dropped, as few as will do, when a request would
-pass either bound; dropping never gives memory back to the system mid-step (see Note: [Nothing
-that can synchronize]).
+Fresh pinned allocations cost milliseconds and can synchronize the device, so released buffers
+are cached by block bytes (Note: [Pinned block bytes]) and pinning, each serving later requests
+as a view of its first bytes (Note: [One bucket per block]). All the pool holds is bounded by
+``SwapConfig.max_host_bytes``, else by :data:`BOUND_FACTOR` times its peak bytes in use (Note:
+[The pool's default bound]); cached buffers are dropped, as few as will do, to stay under it,
+never giving memory back to the system mid-step (Note: [Nothing that can synchronize]).
 
 Note: [A released buffer carries its last copy's event]
-A buffer may be given back while a copy on some stream still reads or writes it (its releaser
-ordered only its own stream after the copy, or none: a group dropping a storage another group
-took over). Keyed by size alone, it can go to a copy on another stream, thread or device that
-is not ordered after that one. So :meth:`HostBufferPool.release` takes the event of the
-buffer's last copy, and whoever takes the buffer gets it back from :meth:`take_event` and makes
-its own copy stream wait on it first: ordering without blocking the host.
+A buffer may be given back while a copy still reads or writes it (its releaser ordered only its
+own stream after the copy, or none: a group dropping a storage another group took over). Keyed
+by size alone, it can go to a copy on another stream, thread or device not ordered after that
+one. So :meth:`HostBufferPool.release` takes the event of its last copy, and :meth:`take` hands
+it to the next taker, whose copy stream waits on it first: ordering without blocking the host.
 
 Note: [Buffers a graph may read again]
 A compiled graph keeps its ``swap_out`` host tensor for backward, and a graph kept with
-``backward(retain_graph=True)`` reads it again in its next backward. Released at the first
-backward's wait, the buffer would go to the next forward's ``swap_out``, which overwrites it:
-the retained graph's second backward reads another step's data. Such buffers are given back
-with :meth:`HostBufferPool.release_when_unread` and return to the pool only once nothing but
-the pool holds their storage (every graph that could read them is gone); they count as in use
-until then.
+``backward(retain_graph=True)`` reads it again in its next backward; released at the first
+backward, the buffer would be overwritten by the next forward's ``swap_out``. Such buffers are
+given back with :meth:`HostBufferPool.release_when_unread` and return to the pool only once
+nothing but the pool holds their storage (no graph can read them); until then they are in use.
 """
 
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import threading
-from collections.abc import Callable
 
 import torch
 
 from swap_pass.runtime import stats
 from swap_pass.runtime.errors import HostMemoryError
+from swap_pass.runtime.freeing import holders
 
 __all__ = ["BOUND_FACTOR", "HostBufferPool", "available_host_bytes", "block_bytes", "host_pool",
-           "preflight", "return_pinned_memory", "storage_use_count"]
-
-
-def storage_use_count(t: torch.Tensor) -> int:
-    """How many holders ``t``'s storage has (tensors over it, storage objects), ours included."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_ONE_HOLDER = storage_use_count(torch.empty(1))
+           "preflight", "return_pinned_memory"]
 
 
 def available_host_bytes() -> int:
@@ -66,15 +52,14 @@ def available_host_bytes() -> int:
 
 
 # Note: [Pinned block bytes]
-# Pinned buffers come from PyTorch's caching host allocator, which rounds every request up to a
-# power of two (``CachingHostAllocatorImpl::allocate``) unless it is above the allocator
-# setting ``pinned_max_round_threshold_mb`` or ``pinned_max_cached_size_mb`` (both unlimited by
-# default; ``PYTORCH_ALLOC_CONF``): a 96 MiB layer input pins a 128 MiB block, and a pool that
-# counted requested bytes could pin up to twice ``SwapConfig.max_host_bytes`` while
-# ``swap_stats()`` reported less. So the pool counts every buffer at its block size: the host
-# gauges, the cap and its error messages all speak of bytes actually set aside. Pageable
-# buffers (CPU, ``pin_memory=False``) count their own size. A bucket's block size is fixed
-# when its first buffer is allocated; settings changed later apply to new sizes only.
+# PyTorch's caching host allocator rounds every pinned request up to a power of two
+# (``CachingHostAllocatorImpl::allocate``) unless it is above ``pinned_max_round_threshold_mb``
+# or ``pinned_max_cached_size_mb`` (both unlimited by default; ``PYTORCH_ALLOC_CONF``): a 96 MiB
+# layer input pins a 128 MiB block, and a pool counting requested bytes could pin up to twice
+# ``SwapConfig.max_host_bytes`` while ``swap_stats()`` reported less. So the pool counts every
+# buffer at its block size (gauges, cap and error messages); pageable buffers (CPU,
+# ``pin_memory=False``) count their own size. A bucket's block size is fixed at its first
+# allocation; settings changed later apply to new sizes only.
 
 _MIB = 1 << 20
 _UNLIMITED = (1 << 64) - 1
@@ -103,8 +88,7 @@ def _setting_bytes(settings: dict[str, str], key: str) -> int:
 
 
 def block_bytes(nbytes: int, pinned: bool) -> int:
-    """Bytes the host allocator sets aside for a buffer of ``nbytes`` (see Note: [Pinned block
-    bytes]).
+    """Bytes the host allocator sets aside for a buffer (Note: [Pinned block bytes]).
 
     Args:
         nbytes: The buffer's size in bytes.
@@ -124,24 +108,22 @@ def block_bytes(nbytes: int, pinned: bool) -> int:
 
 
 # Note: [One bucket per block]
-# Sequence lengths change from step to step (packing, variable batches), and so do the bytes of
-# every layer input. Keyed by exact bytes, each new length missed the pool and pinned fresh
-# blocks (milliseconds each, and a possible sync), kept for a length that may never come back:
-# 8 lengths from 500 to 777 tokens (hidden 1024, 4 layers) held 112 MiB pinned for steps that
-# need 12 MiB. The host allocator rounds a pinned request up to a power of two anyway, so the
-# pool allocates that whole block, buckets it by its size, and hands each request a view of its
-# own bytes at the block's start: every length between two powers of two reuses the same
-# blocks. A bucket's cached buffer keeps the dtype and shape of its last use (the same layer's
-# next request takes it as it is); another shape gets a fresh view of the block. Pageable
-# buffers (CPU, ``pin_memory=False``) are not rounded: their block is their size.
+# Sequence lengths, and so every layer input's bytes, change between steps (packing, variable
+# batches). Keyed by exact bytes, each new length missed the pool and pinned fresh blocks
+# (milliseconds each, a possible sync) kept for a length that may never return: 8 lengths from
+# 500 to 777 tokens (hidden 1024, 4 layers) held 112 MiB pinned for steps needing 12 MiB. As the
+# allocator rounds a pinned request up to a power of two anyway, the pool allocates that whole
+# block, buckets it by its size and hands each request a view of its first bytes: every length
+# between two powers of two reuses the same blocks. A cached buffer keeps its last dtype and shape
+# (the same layer's next request takes it as is); another shape gets a fresh view. Pageable
+# buffers (CPU, ``pin_memory=False``) are not rounded.
 #
 # Note: [The pool's default bound]
-# Without ``SwapConfig.max_host_bytes`` the pool still bounds what it holds: at most
-# BOUND_FACTOR times the most block bytes it had in use at once since the last ``clear()``
-# (``swap_pass.reset()``), which is about one step's need. A fresh buffer that would pass it
-# first drops cached ones (the cap's rule: one buffer if one will do, else the largest), so
-# buckets of sizes the workload left behind do not stay pinned forever. ``swap_stats()``
-# reports the bound as ``host_pool_bound_bytes``.
+# Without ``SwapConfig.max_host_bytes`` the pool keeps at most BOUND_FACTOR times the most block
+# bytes it had in use at once since the last ``clear()`` (``swap_pass.reset()``), about one
+# step's need. A fresh buffer that would pass it first drops cached ones (as under the cap: one
+# if one will do, else the largest), so buckets of sizes the workload left behind do not stay
+# pinned forever. ``swap_stats()`` reports it as ``host_pool_bound_bytes``.
 
 BOUND_FACTOR = 2  # the pool holds at most this many times its peak bytes in use
 
@@ -161,11 +143,10 @@ _Evicted = list[tuple[torch.Tensor, object, bool]]
 
 
 class HostBufferPool:
-    """A pool of contiguous host tensors, bucketed by size in bytes and pinning.
+    """A pool of contiguous host tensors, bucketed by block bytes and pinning.
 
-    A buffer is a flat ``uint8`` tensor unless it was last taken with a ``like`` tensor (see
-    :meth:`take`); either way it counts the bytes the host allocator set aside for it (see
-    Note: [Pinned block bytes]).
+    A buffer is flat ``uint8`` unless last taken with ``like`` (:meth:`take`); either way it
+    counts its block bytes (Note: [Pinned block bytes]).
     """
 
     def __init__(self) -> None:
@@ -186,52 +167,28 @@ class HostBufferPool:
             tuple[list[torch.Tensor], int, dict[str, int], object]] = collections.deque()
         # Buffers back once nothing else holds them; see Note: [Buffers a graph may read again].
         self._unread: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
-        # Told about every buffer given back (swap_pass.testing.stream_model poisons it).
-        self.on_release: Callable[[torch.Tensor], None] | None = None
-        # Told about every fresh buffer (swap_pass.testing.stream_model tells host from device).
-        self.on_allocate: Callable[[torch.Tensor], None] | None = None
 
-    @property
-    def bytes_in_use(self) -> int:
-        """Block bytes of buffers handed out and not yet released."""
-        return self._in_use_bytes
-
-    @property
-    def bytes_reserved(self) -> int:
-        """Block bytes held in all: in use plus cached for reuse."""
-        return self._reserved_bytes
-
-    def acquire(self, nbytes: int, *, pin: bool, max_host_bytes: int | None = None) -> torch.Tensor:
-        """Return a host buffer of exactly ``nbytes`` bytes (its last copy's event stays for
-        :meth:`take_event`).
-
-        Raises:
-            HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
-        """
-        buf, event = self.take(nbytes, pin=pin, max_host_bytes=max_host_bytes)
-        if event is not None:
-            with self._lock:
-                self._events[buf.data_ptr()] = event
-        return buf
+    bytes_in_use = property(operator.attrgetter("_in_use_bytes"),
+                            doc="Block bytes of buffers handed out and not yet released.")
+    bytes_reserved = property(operator.attrgetter("_reserved_bytes"),
+                              doc="Block bytes held in all: in use plus cached for reuse.")
 
     def take(self, nbytes: int, pin: bool, max_host_bytes: int | None = None,
              like: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """Return a host buffer of exactly ``nbytes`` bytes and the event of its last copy.
 
-        The event is what :meth:`take_event` would return: the caller's copy stream must wait on
-        it before using the buffer (None when no copy may still touch it). One lock round for
-        both, on the path every swap-out takes.
+        The caller's copy stream must wait on the event (None when no copy may still touch the
+        buffer) before using it. Both come from one lock round.
 
         Args:
             nbytes: The buffer's size in bytes.
             pin: Whether it must be page-locked (part of the bucket's key).
             max_host_bytes: ``SwapConfig.max_host_bytes``, in block bytes (see Note: [Pinned
                 block bytes]). Default: ``None`` (no cap).
-            like: A tensor of ``nbytes`` bytes: the buffer comes with its dtype and shape
-                (contiguous), so that the tensor copies into it as it is, without a byte view
-                of either side. A buffer given back keeps that shape, and the next request of
-                the same shape (the same layer in the next step) takes it without a view op.
-                Default: ``None`` (a flat ``uint8`` buffer).
+            like: A tensor of ``nbytes`` bytes: the buffer comes in its dtype and shape
+                (contiguous), so the tensor copies into it without a byte view of either side;
+                given back, it keeps that shape for the next such request (the same layer next
+                step). Default: ``None`` (a flat ``uint8`` buffer).
 
         Raises:
             HostMemoryError: the request would pass ``max_host_bytes``, or allocation failed.
@@ -267,8 +224,7 @@ class HostBufferPool:
         return _bytes_of(buf, nbytes).view(like.dtype).view(like.shape), event
 
     def _key_of(self, nbytes: int, pin: bool) -> tuple[int, bool]:
-        """The bucket of requests of ``nbytes``: ``(block bytes, pin)``, computed once per size
-        (reading the allocator settings costs microseconds; see Note: [One bucket per block])."""
+        """The bucket key of ``nbytes``, cached per size (reading settings costs microseconds)."""
         key = self._keys[(nbytes, pin)] = (block_bytes(nbytes, pin), pin)
         return key
 
@@ -285,15 +241,13 @@ class HostBufferPool:
                 self._pending_bytes -= block
                 if buf is not None:
                     self._take_fresh(key)
-        if self.on_allocate is not None:
-            self.on_allocate(buf)
         return buf
 
     def release(self, buf: torch.Tensor, event: object = None, pinned: bool | None = None) -> None:
         """Give ``buf`` back for reuse.
 
         Args:
-            buf: A buffer from :meth:`acquire` or :meth:`take`.
+            buf: A buffer from :meth:`take`.
             event: Recorded after the last copy that reads or writes ``buf``, when the
                 releaser has not ordered every later user after it. Default: ``None``.
             pinned: Whether ``buf`` is pinned, when the caller knows (it asked for it).
@@ -304,17 +258,9 @@ class HostBufferPool:
         self._put_back(buf, event, pinned)
 
     def release_when_unread(self, buf: torch.Tensor, event: object = None) -> None:
-        """Give ``buf`` back once the pool holds its storage alone (safe inside finalizers).
-
-        See Note: [Buffers a graph may read again]; ``event`` as in :meth:`release`.
-        """
+        """Give ``buf`` back once the pool holds its storage alone (safe inside finalizers; Note:
+        [Buffers a graph may read again]); ``event`` as in :meth:`release`."""
         self._unread.append((buf, event))
-
-    def take_event(self, buf: torch.Tensor) -> object:
-        """The event ``buf`` was released with (see Note: [A released buffer carries its last
-        copy's event]), or None; the caller's copy stream must wait on it before using ``buf``."""
-        with self._lock:
-            return self._events.pop(buf.data_ptr(), None)
 
     def release_deferred(self, bufs: list[torch.Tensor], event: object = None,
                          **stat_deltas: int) -> None:
@@ -322,18 +268,16 @@ class HostBufferPool:
         ``event`` as in :meth:`release`.
 
         Note: [Releasing from __del__]
-        A garbage-collected group gives its buffers back from ``__del__``, which the collector
-        may run in the middle of a pool or stats update on the same thread. Taking the pool's
-        lock there would deadlock, and re-entering a half-done update would corrupt counters,
-        so finalizers only append to a deque (atomic in CPython); every pool operation, and
-        ``swap_stats()``, drains it first.
+        A collected group gives its buffers back from ``__del__``, which may run in the middle
+        of a pool or stats update on the same thread: taking the pool's lock would deadlock and
+        re-entering a half-done update would corrupt counters. So finalizers only append to a
+        deque (atomic in CPython); every pool operation, and ``swap_stats()``, drains it first.
         """
         self._deferred.append((bufs, 0, stat_deltas, event))
 
     def forget(self, nbytes: int, pinned: bool | None = None) -> None:
-        """Stop counting a handed-out buffer of ``nbytes`` that died with its last user.
-
-        Safe inside finalizers: queued like :meth:`release_deferred`.
+        """Stop counting a handed-out buffer that died with its last user (queued like
+        :meth:`release_deferred`: safe inside finalizers).
 
         Args:
             nbytes: The buffer's size in bytes (one buffer: its block size is looked up).
@@ -352,7 +296,7 @@ class HostBufferPool:
                 buf, event = self._unread.popleft()
             except IndexError:
                 break
-            if storage_use_count(buf) == _ONE_HOLDER:
+            if holders(buf) == 1:
                 self._put_back(buf, event)
             else:
                 self._unread.append((buf, event))
@@ -383,14 +327,10 @@ class HostBufferPool:
     def _put_back(self, buf: torch.Tensor, event: object = None,
                   pinned: bool | None = None) -> None:
         """Return ``buf`` to its bucket; ``event`` as in :meth:`release`."""
-        if self.on_release is not None:
-            self.on_release(buf)
-        # The whole block: a buffer handed out is a view of its first bytes (see Note: [One
-        # bucket per block]).
+        # The whole block: a handed-out buffer views its first bytes (Note: [One bucket per block])
         key = (buf.untyped_storage().nbytes(), buf.is_pinned() if pinned is None else pinned)
         lock = self._lock
-        # acquire()/release() rather than ``with``: a third cheaper per round on CPython 3.11,
-        # and this and take() run once per swapped layer each.
+        # acquire()/release(), not ``with``: cheaper; this and take() run once per swapped layer.
         lock.acquire()
         try:
             if event is not None:
@@ -418,14 +358,10 @@ class HostBufferPool:
     # --- internals ---
 
     def _evict(self, need: int | None) -> _Evicted:
-        """Take cached buffers out of their buckets until ``need`` block bytes are freed (all
-        of them when None), under the lock; return them with their events and pinning, to be
-        dropped (:func:`_drop`, :func:`_give_back` from :meth:`clear`) once the lock is
-        released.
-
-        The smallest single buffer that frees ``need`` goes, else the largest ones first: few
-        buffers, and none freed beyond what is needed.
-        """
+        """Under the lock, take out cached buffers until ``need`` block bytes are freed (all
+        when None): the smallest single one that frees ``need``, else the largest first. Returns
+        them with their events and pinning, dropped once the lock is released (:func:`_drop`,
+        or :func:`_give_back` from :meth:`clear`)."""
         cached = sorted(((key[1], b) for key, b in self._free.items() if b),
                         key=lambda item: item[1].block)
         if need is None:
@@ -460,9 +396,8 @@ class HostBufferPool:
         return BOUND_FACTOR * self._high_water
 
     def gauges(self) -> dict[str, int]:
-        """The host fields of :class:`~swap_pass.SwapStats`: bytes in use (and their peak),
-        bytes reserved, fresh allocations (peak and allocations since :meth:`restart_gauges`),
-        and the pool's default bound."""
+        """The host fields of :class:`~swap_pass.SwapStats`: bytes in use, their peak and fresh
+        allocations (since :meth:`restart_gauges`), bytes reserved and the default bound."""
         with self._lock:
             return {"host_bytes_in_use": self._in_use_bytes,
                     "peak_host_bytes_in_use": self._peak_in_use_bytes,
@@ -477,17 +412,13 @@ class HostBufferPool:
             self._allocations = 0
 
     def _make_room(self, key: tuple[int, bool], max_host_bytes: int | None) -> _Evicted:
-        """Set aside a fresh block of bucket ``key`` under ``max_host_bytes`` and the pool's
-        default bound (under the lock; see Note: [The pool's default bound]).
-
-        Returns:
-            The cached buffers evicted for it (dropped by :meth:`_fresh` once the lock is
-            released).
+        """Under the lock, set aside a fresh block of bucket ``key`` within ``max_host_bytes``
+        and the default bound (Note: [The pool's default bound]); return the cached buffers
+        evicted for it (:meth:`_fresh` drops them after the lock).
 
         Raises:
-            HostMemoryError: buffers in use (or being allocated) leave no room for the block
-                under ``max_host_bytes`` even with every cached one dropped; then none is
-                dropped.
+            HostMemoryError: buffers in use or being allocated leave no room for the block under
+                ``max_host_bytes`` even with every cached one dropped (then none is dropped).
         """
         block = key[0]
         committed = self._pending_bytes + self._in_use_bytes
@@ -516,22 +447,20 @@ class HostBufferPool:
 
 
 # Note: [Returning pinned memory]
-# Pinned buffers come from PyTorch's caching host allocator, which keeps a freed block for the
-# next pinned allocation instead of returning it: dropping our references alone does not give
-# pinned memory back to the system. Where the torch build has torch.accelerator.empty_host_cache,
-# the pool calls it after dropping its cached pinned buffers in clear() (swap_pass.reset()), and
-# only there: the allocator frees the blocks nothing else holds, once the copies that used them
-# completed. A buffer evicted in a step (max_host_bytes, the default bound) is only dropped: its
-# block stays in the allocator's cache, where the next pinned allocation of its size takes it.
+# PyTorch's caching host allocator keeps a freed pinned block for the next pinned allocation, so
+# dropping our references does not give pinned memory back to the system. Where the build has
+# torch.accelerator.empty_host_cache, clear() (swap_pass.reset()) calls it after dropping the
+# cached pinned buffers, and nothing else does: the allocator frees the blocks nothing else holds
+# once the copies that used them completed. A buffer evicted in a step (max_host_bytes, the
+# default bound) is only dropped: its block stays cached for the next pinned allocation of its size.
 #
 # Note: [Nothing that can synchronize]
 # Freeing pinned memory (cudaFreeHost, also when the last reference to a block above
 # pinned_max_cached_size_mb dies), empty_host_cache and a fresh pinned allocation (cudaHostAlloc)
-# can each wait for the device. empty_host_cache frees every idle pinned block of the process,
-# so it never runs inside a step's forward or backward: only clear() calls it. None of them runs
-# while the pool's lock is held: a thread taking or giving back a buffer would wait for the
-# device too. The lock only moves buffers and counts bytes; evicted buffers are dropped, and
-# fresh ones allocated, after it is released.
+# can each wait for the device. empty_host_cache frees every idle pinned block of the process, so
+# only clear() calls it, never a step's forward or backward. None of them runs under the pool's
+# lock (a thread taking or giving back a buffer would wait for the device too): the lock only
+# moves buffers and counts bytes; evicted buffers are dropped, and fresh ones allocated, after.
 
 
 def return_pinned_memory() -> bool:
@@ -552,16 +481,14 @@ def return_pinned_memory() -> bool:
 
 
 def _drop(evicted: _Evicted) -> None:
-    """Drop evicted buffers and their events: their blocks go back to the host allocator's
-    cache, nothing is given back to the system (a step may be running; see Note: [Nothing that
-    can synchronize]). Never under the pool's lock."""
+    """Drop evicted buffers and their events, never under the pool's lock: their blocks stay in
+    the allocator's cache (a step may be running: Note: [Nothing that can synchronize])."""
     evicted.clear()  # the last references: the buffers and events go here
 
 
 def _give_back(evicted: _Evicted) -> None:
-    """Drop buffers cleared out of the pool, then return pinned memory if any was pinned (only
-    from :meth:`HostBufferPool.clear`: see Note: [Returning pinned memory]). Never under the
-    pool's lock."""
+    """Drop buffers cleared out of the pool, then return pinned memory if any was pinned; only
+    from :meth:`HostBufferPool.clear`, never under its lock (Note: [Returning pinned memory])."""
     if not evicted:
         return
     pinned = any(pin for _, _, pin in evicted)

@@ -1,22 +1,106 @@
-"""Process-wide counters of what the runtime moved and holds."""
+"""Process-wide counters of what the runtime moved and holds, and why a tensor was not swapped."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
+import enum
 from collections.abc import Callable
 
-__all__ = [
-    "SwapStats",
-    "clear",
-    "record",
-    "record_released",
-    "record_skip",
-    "record_swap_in",
-    "record_swap_out",
-    "set_host_gauges",
-    "snapshot",
-]
+from swap_pass.state import counts as _counts
+from swap_pass.state import skipped_bytes as _skipped_bytes
+from swap_pass.state import skips as _skips
+from swap_pass.state import stats_lock as _lock
+from swap_pass.state import warn_once
+
+__all__ = ["SkipReason", "SwapStats", "clear", "record", "record_released", "record_skip",
+           "record_swap_in", "record_swap_out", "set_host_gauges", "snapshot"]
+
+
+# --- Why a tensor was not swapped: one counter per reason, and one warning per reason and place ---
+# Note: [Never a silent zero]
+#     A memory library that quietly swaps nothing is worse than one that fails: the user sees exact
+#     gradients, no error, and no memory saved. So every path that decides *not* to move a tensor
+#     it was offered (a layer input, a saved activation, a graph candidate) calls
+#     :func:`record_skip` with a :class:`SkipReason`. ``swap_stats().skipped_bytes`` and
+#     ``swap_stats().skips`` then hold the bytes and the count per reason, and reasons that mean
+#     "you may be losing the saving you asked for" warn once per reason and place (a layer's name,
+#     a graph, a SmartSwap instance) until :func:`swap_pass.reset`.
+
+
+class SkipReason(str, enum.Enum):
+    """Why a tensor offered for swapping stayed where it was.
+
+    Attributes:
+        USER_DATA: Inputs, parameters, buffers, detached tensors and their views: never freed.
+        SHARED_STORAGE: Another live tensor (a sibling view, a kept ``detach()``) shares the
+            storage, so freeing it would harm a reader outside the swap.
+        SUBCLASS: A tensor subclass whose data cannot be reached as one plain local tensor.
+        NO_STORAGE: Sparse, nested, meta or other tensors without one plain strided storage.
+        NON_RESIZABLE: The storage cannot be freed in place (CUDA-graph outputs, ``from_blob``,
+            DLPack, external allocators).
+        HOST_EXHAUSTED: No host buffer could be had (``on_host_exhausted="keep_on_device"``).
+        TOO_SMALL: Smaller than ``SwapConfig.min_swap_bytes``.
+        CUSTOM_CHECK: The user's ``custom_check_fn`` said no.
+        DYNAMIC_SHAPE: A compiled graph's candidate whose size is not known when planning.
+        NO_LAYERS: A model or graph in which no layer boundary was found.
+        STREAM_CAPTURE: The compute stream was capturing a graph (CUDA graphs): a copy or free
+            would be captured and replayed later.
+        NO_SWAP: Offered inside :func:`swap_pass.no_swap`, the user's opt-out.
+        MODULE_FILTER: Saved inside a module the user's ``module_filter_fn`` left out.
+        OFFLOAD_FALLBACK: A ``PREFER_CPU_OFFLOAD`` tag that could not be honoured (an op that
+            returns no tensor, or the backend's saved value is not the tagged node's output):
+            the tensor stays saved on the device.
+    """
+
+    USER_DATA = "user_data"
+    SHARED_STORAGE = "shared_storage"
+    SUBCLASS = "subclass"
+    NO_STORAGE = "no_storage"
+    NON_RESIZABLE = "non_resizable"
+    HOST_EXHAUSTED = "host_exhausted"
+    TOO_SMALL = "too_small"
+    CUSTOM_CHECK = "custom_check"
+    DYNAMIC_SHAPE = "dynamic_shape"
+    NO_LAYERS = "no_layers"
+    STREAM_CAPTURE = "stream_capture"
+    NO_SWAP = "no_swap"
+    MODULE_FILTER = "module_filter"
+    OFFLOAD_FALLBACK = "offload_fallback"
+
+
+# Reasons that are the user's own choice or the rule working as intended warn nowhere: their
+# counters are enough. The others cost the user a saving they asked for.
+_QUIET = frozenset({SkipReason.USER_DATA, SkipReason.TOO_SMALL, SkipReason.CUSTOM_CHECK,
+                    SkipReason.NO_SWAP, SkipReason.MODULE_FILTER})
+
+
+def record_skip(reason: SkipReason, nbytes: int, *, where: str | None = None,
+                detail: str = "", warn: bool = True) -> None:
+    """Count a tensor of ``nbytes`` not swapped for ``reason``; warn once per reason and place.
+
+    Args:
+        reason: Why it stays.
+        nbytes: Bytes that stay on the device because of it.
+        where: The place to name in the warning (a layer, a graph, a SmartSwap instance).
+            Default: ``None`` (one warning per reason for the whole process).
+        detail: What the user can do about it, appended to the warning. Default: ``""``.
+        warn: Whether this reason may warn here at all. Default: ``True``.
+    """
+    reason = SkipReason(reason)
+    _count_skip(reason.value, nbytes)
+    if warn and reason not in _QUIET:
+        warn_once(reason.value, where or "", _message(reason, nbytes, where, detail))
+
+
+def _message(reason: SkipReason, nbytes: int, where: str | None, detail: str) -> str:
+    place = f" in {where}" if where else ""
+    return (f"swap_pass: a tensor of {nbytes} bytes{place} stays on the device ({reason.value}). "
+            f"swap_stats().skipped_bytes[{reason.value!r}] counts it."
+            f"{' ' + detail if detail else ''}"
+            " (Shown once per reason and place until swap_pass.reset().)")
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -46,15 +130,15 @@ class SwapStats:
         kept_on_device: Swap-outs skipped because host memory was exhausted.
         skipped_shared_bytes: Bytes of layer-input storages kept on the device because another
             live tensor shares them (a sibling view, a buffer); see Note: [Ownership rule] in
-            ``swap_pass/runtime/ownership.py``.
+            ``swap_pass/runtime/freeing.py``.
         skipped_user_bytes: Bytes of layer-input storages kept on the device because they are
             user data: inputs, parameters, buffers, detached tensors and their views.
         skipped_bytes: Bytes not swapped, per reason (the values of
-            :class:`swap_pass.runtime.skips.SkipReason`: ``"user_data"``, ``"shared_storage"``,
+            :class:`swap_pass.runtime.stats.SkipReason`: ``"user_data"``, ``"shared_storage"``,
             ``"subclass"``, ``"no_storage"``, ``"non_resizable"``, ``"host_exhausted"``,
             ``"too_small"``, ``"custom_check"``, ``"dynamic_shape"``, ``"no_layers"``); a reason
             appears once something was skipped for it. See Note: [Never a silent zero] in
-            ``swap_pass/runtime/skips.py``.
+            ``swap_pass/runtime/stats.py``.
         skips: Tensors (or, for ``"no_layers"``, graphs and models) not swapped, per reason.
     """
 
@@ -76,9 +160,7 @@ class SwapStats:
     skips: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-_lock = threading.Lock()
-# The transitions take the lock with acquire()/release(), not ``with``: a third of the cost per
-# round on CPython 3.11 (157 ns against 245 ns for a locked dict update, ``timeit``).
+# The transitions take the lock with acquire()/release(), not ``with``: cheaper per round.
 _acquire, _release = _lock.acquire, _lock.release
 # The counters live in a plain dict: they change a few times per swapped layer per step, and a
 # dict update is several times cheaper than getattr/setattr on the dataclass. The transitions
@@ -90,9 +172,7 @@ _HOST_GAUGES = ("host_bytes_in_use", "peak_host_bytes_in_use", "host_bytes_reser
 _PER_REASON = ("skipped_bytes", "skips")
 _FIELDS = tuple(f.name for f in dataclasses.fields(SwapStats)
                 if f.name not in _HOST_GAUGES + _PER_REASON)
-_counts: dict[str, int] = dict.fromkeys(_FIELDS, 0)
-_skipped_bytes: dict[str, int] = {}
-_skips: dict[str, int] = {}
+_counts.update(dict.fromkeys(_FIELDS, 0))
 # The two older per-reason fields, kept in step with skipped_bytes.
 _LEGACY_FIELD = {"user_data": "skipped_user_bytes", "shared_storage": "skipped_shared_bytes"}
 
@@ -162,9 +242,9 @@ def record_released(nbytes: int) -> None:
         _release()
 
 
-def record_skip(reason: str, nbytes: int) -> None:
+def _count_skip(reason: str, nbytes: int) -> None:
     """One tensor of ``nbytes`` not swapped for ``reason`` (use
-    :func:`swap_pass.runtime.skips.record_skip`, which also warns)."""
+    :func:`swap_pass.runtime.stats.record_skip`, which also warns)."""
     with _lock:
         _skipped_bytes[reason] = _skipped_bytes.get(reason, 0) + nbytes
         _skips[reason] = _skips.get(reason, 0) + 1

@@ -7,100 +7,176 @@ Per saved tensor (pack)::
           layers later, see Note: [Waiting for a copy a logical layer later]; else at once on
           CPU, at the next poll on an accelerator)
     key = (op, module call site, dtype, shape, model state)
-    stable step: the micro-batch's Follower (follower.py) matches key to the policy (window
-          search from a cursor) -> swap or keep (tracked, so that a fallback can still move
-          it; see Note: [Falling back mid-step]); on a miss, maybe switch to a cached plan
-          (Note: [Choosing a cached plan mid-step])
-    a forward after a backward: a new micro-batch, the plan restarts (gradient accumulation)
-    conservative (warmup, gen_policy, or a stable micro-batch after too many misses): every
-          eligible activation
+    stable: the micro-batch's Follower matches key to the plan -> swap or keep (tracked, so a
+          fallback can still move it: Note: [Falling back mid-step]); a miss may switch to a
+          cached plan (Note: [Choosing a cached plan mid-step])
+    conservative (warmup, gen_policy, stable after too many misses): every eligible activation
     -> handle(alias over the same storage) or the tensor itself (unmatched, state, not swappable)
-    gen_policy step (and stable ones with a plan cache): the micro-batch's Recorder
-          (recorder.py) notes the pack and its storage's life for the policy
+    a forward after a backward: a new micro-batch, the plan restarts (gradient accumulation)
 
-Per unpack: restore the storage from any state (``group.restore()``), assert it is on the device,
-then start the copies back of the storages the plan prefetches at this point. Every moved
-storage is restored before it is read, so a wrong match can cost memory or a stall, never data.
+Per unpack: restore the storage from any state, assert it is on the device, then start the
+prefetches the plan puts there. Every moved storage is restored before it is read, so a wrong
+match can cost memory or a stall, never data.
 
-# Note: [When a saved tensor may leave]
-# Eager mode gives no op ids, so "after its last forward use" is read from reference counts:
-# the pack hook keeps an *alias* (a new tensor over the same storage), not the tensor itself,
-# and a storage whose use count equals the number of our aliases is held by nobody else (no
-# Python variable, no view, no op argument still in flight, no module buffer) and so cannot be
-# read again before backward unpacks it. Checking at every pack and module exit is cheap.
+Note: [When a saved tensor may leave]
+Eager mode gives no op ids, so "after its last forward use" is read from reference counts: the
+pack hook keeps an *alias* (a new tensor over the same storage), and a storage whose use count
+equals the number of our aliases is held by nobody else (no Python variable, view, op argument
+in flight or module buffer), so nothing reads it before backward unpacks it. Checking at every
+pack and module exit is cheap.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from swap_pass.config import SwapConfig
-from swap_pass.cost_probes import measure_copy_bandwidth
+from swap_pass.cost.probes import Timing, check_events, start_events, timing_for
 from swap_pass.opt_out import swap_allowed
-from swap_pass.runtime.device import is_async_device
-from swap_pass.runtime.skips import SkipReason, record_skip
-from swap_pass.runtime.swap_tensors import (
-    D2H,
-    DEVICE,
-    H2D,
-    HOST,
-    SwapTensors,
-    is_valid_for_swap,
-)
-from swap_pass.smart.bandwidth import CopyClock
+from swap_pass.runtime import stats
+from swap_pass.runtime.device import device_streams, is_async_device
+from swap_pass.runtime.freeing import in_backward
+from swap_pass.runtime.group import D2H, DEVICE, H2D, HOST, SwapTensors, is_valid_for_swap
+from swap_pass.runtime.stats import SkipReason, record_skip
 from swap_pass.smart.follower import Follower
-from swap_pass.smart.matcher import OnlineMatcher
-from swap_pass.smart.plan_cache import PlanCache
-from swap_pass.smart.policy import SwapPolicy
-from swap_pass.smart.profiler import FeatureTracker, feature_key, op_name, state_key
+from swap_pass.smart.policy import PlanCache, SwapPolicy
+from swap_pass.smart.profiler import FeatureTracker, feature_key, now, op_name, state_key
 from swap_pass.smart.recorder import Recorder, Ticks
-from swap_pass.smart.reports import MicroBatchReport, StepReport
-from swap_pass.smart.saved_handles import (
+from swap_pass.smart.reports import Stage, StepReport
+from swap_pass.smart.saved import (
     Handle,
     MicroBatch,
     Slot,
     alias_of,
     check_version,
+    local_of,
+    storage_nbytes,
+    wait_collective,
 )
-from swap_pass.smart.saved_local import local_of, storage_nbytes, wait_collective
-from swap_pass.smart.stages import Stage
 
-# Re-exported: the reports, the matcher and the bandwidth probe lived here before.
-__all__ = ["MicroBatchReport", "OnlineMatcher", "SmartExecutor", "StepReport",
-           "measure_copy_bandwidth"]
+__all__ = ["CopyClock", "SmartExecutor"]
 
 
-def __getattr__(name: str):
-    """``ExecMode``, deprecated (see :mod:`swap_pass.smart.reports`)."""
-    if name == "ExecMode":
-        from swap_pass.smart import reports
-        return reports.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# --- SmartSwap's copy clock: the seconds its copies take in a step --------------------------------
 
 
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (recompute, double
-    backward)."""
-    return torch._C._current_graph_task_id() != -1
+T = TypeVar("T")
+
+
+# Note: [One timed copy a step]
+# torch_npu's ``elapsed_time`` flushes every task queue and synchronizes both events (a host
+# stall per call; cheap on CUDA), so on an accelerator the clock times only the first copy call
+# that moves bytes in each period (a step: one :meth:`CopyClock.seconds` to the next) and counts
+# the others' bytes; :meth:`CopyClock.seconds` scales the sample's seconds per byte to them all
+# once it completed (a steady-state step reads it a step later, never waiting). A step's copies
+# are layer inputs of one size on one link: the sample stands for the rest (a planning figure).
+
+
+class CopyClock:
+    """Seconds SmartSwap's copies take in a step, timed as :class:`Timing` says.
+
+    ``Timing.HOST`` adds each call's host time (CPU copies are synchronous). ``Timing.EVENTS``
+    times one copy call a step with events on its side stream and scales it by bytes: the
+    copies' own time, not their enqueue's. See Note: [One timed copy a step] and
+    Note: [Timing on the device] in :mod:`swap_pass.cost.probes`.
+    """
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        # the sampled call: its events and bytes (None: none yet this period)
+        self._sample: tuple[torch.Event, torch.Event, int] | None = None
+        self._other_bytes = 0  # bytes of the period's calls not sampled
+
+    def time(self, fn: Callable[[], T], timing: Timing,
+             stream: torch.Stream | None = None) -> T:
+        """Call ``fn``, which queues copies on ``stream``, and count their time.
+
+        Args:
+            fn: Starts (and possibly waits for) the copies.
+            timing: :class:`Timing` of the copies' device.
+            stream: The stream the copies run on (``Timing.EVENTS``). Default: ``None``.
+
+        Raises:
+            ValueError: ``Timing.EVENTS`` without a stream.
+        """
+        if timing is Timing.HOST:
+            t0 = now()
+            try:
+                return fn()
+            finally:
+                self._seconds += now() - t0
+        check_events(timing, stream, "CopyClock")
+        before = stats.bytes_copied()
+        if self._sample is not None:  # this period's copy is sampled already
+            try:
+                return fn()
+            finally:
+                self._other_bytes += stats.bytes_copied() - before
+        start, end = start_events(stream)
+        try:
+            return fn()
+        finally:
+            end.record(stream)
+            nbytes = stats.bytes_copied() - before
+            if nbytes > 0:  # a call that copied nothing times nothing
+                self._sample = (start, end, nbytes)
+
+    def time_copies(self, fn: Callable[[], T], device: torch.device | None, *, to_host: bool,
+                    use_streams: bool = True) -> T:
+        """:meth:`time` for a swap group's copies on ``device``: its side stream.
+
+        Args:
+            fn: Starts the group's copies (``swap_to_host``, ``swap_to_device``, ``restore``).
+            device: The group's device (None: a group without storages, timed on the host).
+            to_host: Whether the copies go device to host (else host to device).
+            use_streams: ``SwapConfig.use_streams`` of the group. Default: ``True``.
+        """
+        timing = Timing.HOST if device is None else timing_for(device)
+        if timing is Timing.HOST:
+            return self.time(fn, timing)
+        streams = device_streams(device, use_streams)
+        return self.time(fn, timing, streams.d2h_stream() if to_host else streams.h2d_stream())
+
+    def seconds(self, wait: bool = True) -> float:
+        """Seconds counted so far; ends the period whose copy was sampled.
+
+        Args:
+            wait: Wait for the sampled copy if still running; else a running copy leaves the
+                period open for a later call (the steady state never waits). Default: ``True``.
+        """
+        if self._sample is None:
+            return self._seconds
+        start, end, nbytes = self._sample
+        if wait:
+            end.synchronize()
+        elif not end.query():
+            return self._seconds
+        per_byte = start.elapsed_time(end) / 1e3 / nbytes  # the period's one elapsed_time
+        self._seconds += per_byte * (nbytes + self._other_bytes)
+        self._sample, self._other_bytes = None, 0
+        return self._seconds
+
+
+# --- the executor: the saved-tensor hooks ---------------------------------------------------------
 
 
 class SmartExecutor:
     """Pack/unpack hooks for one model; one instance lives as long as its :class:`SmartSwap`.
 
-    Each step runs in a :class:`Stage` (:meth:`begin_step`), and each micro-batch of it gets
-    what that stage needs: ``warmup`` neither plan nor profile (every eligible activation
-    leaves once nothing else holds it), ``gen_policy`` a :class:`Recorder`, ``stable`` a
-    :class:`Follower` of the step's plan (and a :class:`Recorder` too with a plan cache, so that
-    a new shape is planned from its first step). The executor owns the storages, their copies
-    and the step's report; the recorder only records, the follower only decides.
+    Each micro-batch gets what its step's :class:`Stage` needs: ``warmup`` neither plan nor
+    profile, ``gen_policy`` a :class:`Recorder`, ``stable`` a :class:`Follower` of the step's
+    plan (and a :class:`Recorder` with a plan cache, so a new shape is planned from its first
+    step). The executor owns the storages, their copies and the step's report; the recorder
+    only records, the follower only decides.
 
     Args:
         swap_config: Runtime knobs for the :class:`SwapTensors` groups (host caps, streams).
-        call_sites: The model's :class:`FeatureTracker` (the module running, whether the
-            model's forward runs); the executor's :meth:`poll` is one of its post-forward
-            callbacks.
+        call_sites: The model's :class:`FeatureTracker`; :meth:`poll` is one of its
+            post-forward callbacks.
         plan_cache: The plans a stable micro-batch may switch to, or None (no cache: stable
             steps do not record either).
         min_swap_bytes: Storages below this are never moved.
@@ -141,9 +217,8 @@ class SmartExecutor:
         self._ticks.now = 0
         self._clock = CopyClock()  # the step's copy time: see Note: [Timing on the device]
         self._n_storages = 0
-        # swap_to_host issued, wait_d2h not yet; weak: a slot whose graph died (a forward
-        # without backward) gives its host buffer back at once (SwapTensors.__del__ orders
-        # that after its copy), not at the next poll or step
+        # swap_to_host issued, wait_d2h not yet. Weak: a slot whose graph died (forward without
+        # backward) gives its host buffer back at once, after its copy (SwapTensors.__del__)
         self._inflight: list[weakref.ref] = []
         self._units: list[MicroBatch] = []  # this step's micro-batches, oldest first
         self._begin_micro_batch()
@@ -157,19 +232,15 @@ class SmartExecutor:
         """Start a micro-batch: it runs the plan from its start, with what its stage needs.
 
         Note: [Micro-batches in flight]
-        A plan covers one micro-batch: its forward, then its backward. Gradient accumulation
-        runs them one after another. A pipeline schedule such as 1F1B runs a micro-batch's
-        forward while earlier micro-batches still wait for their backward: what their plans
-        kept on the device for that backward would come on top of the new micro-batch's plan,
-        and the step would pass the budget (on the first stage of a 2-stage 1F1B, 0.59 of the
-        unswapped peak at ``memory_budget=0.5``). So when a micro-batch begins, the storages
-        that earlier micro-batches still holding saved tensors keep on the device, and that
-        nobody but autograd holds, go to the host (:meth:`_evict`, waited for at once); they
-        come back at their unpack or their plan's prefetch. The earlier micro-batches' backward
-        restores then run next to the new micro-batch's kept tensors, which no plan models.
-        ``MicroBatchReport.in_flight``, ``StepReport.max_in_flight`` and
-        ``StepReport.evicted_bytes`` report it. GPipe-like schedules (every forward before any
-        backward) are one sequence to the executor and planned as one.
+        A plan covers one micro-batch's forward then backward. A pipeline schedule such as 1F1B
+        runs a forward while earlier micro-batches wait for their backward; what their plans kept
+        would come on top of the new plan and pass the budget (0.59 of the unswapped peak at
+        ``memory_budget=0.5``, first stage of a 2-stage 1F1B). So when a micro-batch begins, what
+        earlier ones keep on the device and only autograd holds goes to the host (:meth:`_evict`,
+        waited for at once), back at its unpack or plan's prefetch (beside the new micro-batch's
+        kept tensors: no plan models that). Reported in ``MicroBatchReport.in_flight``,
+        ``StepReport.max_in_flight`` and ``StepReport.evicted_bytes``. GPipe-like schedules
+        (every forward before any backward) are one sequence to the executor, planned as one.
         """
         self._complete_inflight()
         units = [u for u in self._units if u.holds_saved()]
@@ -191,15 +262,13 @@ class SmartExecutor:
                         plans=cache.plans if cache is not None else tuple)
 
     def _recorder(self) -> Recorder | None:
-        """A :class:`Recorder` in ``gen_policy`` steps, and in ``stable`` ones with a plan
-        cache (a new shape is planned from its first step); else None."""
+        """A :class:`Recorder` in ``gen_policy`` steps and ``stable`` ones with a plan cache."""
         record = (self.stage == Stage.GEN_POLICY
                   or (self.stage == Stage.STABLE and self.plan_cache is not None))
         return Recorder(self._ticks) if record else None
 
     def _evict(self, units: list[MicroBatch]) -> None:
-        """Move to the host what ``units`` (earlier micro-batches still waiting for their
-        backward) keep on the device: see Note: [Micro-batches in flight]."""
+        """Send to the host what ``units`` keep on the device: Note: [Micro-batches in flight]."""
         floor = max(self.min_swap_bytes, 1)
         for unit in units:
             for ref in unit.handles:
@@ -263,7 +332,7 @@ class SmartExecutor:
         """The pack hook."""
         self.poll()
         if self.unit.backward:
-            if _in_backward():  # saved during backward (double backward, recompute): leave it
+            if in_backward():  # saved during backward (double backward, recompute): leave it
                 return t
             self._close_unit()  # a new forward after a backward: the next micro-batch
             self._begin_micro_batch()
@@ -274,7 +343,7 @@ class SmartExecutor:
         if self.left_out is not None and self.left_out(fqn):
             record_skip(SkipReason.MODULE_FILTER, storage_nbytes(t), where=self.where)
             return t
-        local = local_of(t)  # Note: [Saved DTensors] in saved_local.py
+        local = local_of(t)  # Note: [Saved DTensors] in saved.py
         if type(local) is SkipReason:  # sparse, nested, other subclasses: never read a storage
             self._skip(t, local)
             return t
@@ -299,7 +368,7 @@ class SmartExecutor:
         return handle
 
     def _skip(self, t: torch.Tensor, reason: SkipReason) -> None:
-        """Count a saved tensor SmartSwap cannot move (see saved_local.py); autograd keeps it."""
+        """Count a saved tensor SmartSwap cannot move (see saved.py); autograd keeps it."""
         what = ("nested" if t.is_nested else f"sparse ({t.layout})" if t.layout != torch.strided
                 else f"{type(t).__name__} (a tensor subclass)")
         record_skip(reason, storage_nbytes(t), where=self.where,
@@ -323,8 +392,7 @@ class SmartExecutor:
         return t
 
     def _match(self, key: int, nbytes: int, is_state: bool) -> int | None:
-        """The plan position of the tensor being saved (the follower's), counted in the report;
-        after ``miss_limit`` misses in a row the micro-batch falls back."""
+        """Plan position of the tensor being saved (counted); ``miss_limit`` misses fall back."""
         follower = self.unit.follower
         j = follower.match(self.unit, key, nbytes, is_state)
         if j is None:
@@ -340,11 +408,10 @@ class SmartExecutor:
 
         Note: [Falling back mid-step]
         A planned step whose sequence changed keeps what the old plan kept (and every unmatched
-        tensor) until ``miss_limit`` misses in a row. Those tensors are tracked, not swapped;
-        here they become swappable and go back to the pending list, so they leave as soon as
-        nothing but autograd holds them, exactly as in a conservative step. Without this the
-        change step kept them all and passed the budget (by 21% on the CPU model, 12 -> 24
-        tokens); see tests/smart/test_smart_swap.py.
+        tensor) until ``miss_limit`` misses in a row. Those tracked tensors become swappable here
+        and rejoin the pending list, leaving once only autograd holds them, as in a conservative
+        step. Without this the change step kept them all and passed the budget by 21% (CPU
+        model, 12 -> 24 tokens; tests/smart/test_smart_swap.py).
         """
         unit = self.unit
         self.report.fell_back = unit.report.fell_back = True
@@ -360,7 +427,7 @@ class SmartExecutor:
         if slot is None or slot.group is not None:
             slot = self._new_slot(storage, swap)
         slot.swap = slot.swap or swap
-        wait_collective(t)  # Note: [Saved AsyncCollectiveTensors] in saved_local.py
+        wait_collective(t)  # Note: [Saved AsyncCollectiveTensors] in saved.py
         alias = alias_of(t)  # a DTensor's detach() is a DTensor over a new local alias
         slot.aliases.append(local_of(alias))
         if index >= 0:
@@ -411,13 +478,11 @@ class SmartExecutor:
         """Logical layer at whose first saved tensor a copy started now is waited for.
 
         Note: [Waiting for a copy a logical layer later]
-        A planned step waits for a device-to-host copy (and frees its storage) only when the
-        forward reaches the first saved tensor of logical layer ``g + policy.overlap_groups``,
-        ``g`` being the layer the copy started in: with ``overlap_groups >= 1`` a copy runs
-        behind the rest of its layer and, at 2, behind the whole next one. The policy chose
-        that lag so that the storages held longer still fit the budget (it replays exactly
-        these free points), and takes a smaller one only where the budget requires. Backward's
-        start waits for all. Conservative steps wait at the next poll (about one op later).
+        A planned step waits for a device-to-host copy (and frees its storage) at the first saved
+        tensor of logical layer ``g + policy.overlap_groups``, ``g`` being the one it started in:
+        at 1 it runs behind the rest of its layer, at 2 behind the next one too. The policy takes
+        the longest lag that still fits the budget (it replays these free points). Backward's
+        start waits for all; conservative steps wait at the next poll (about one op later).
         """
         unit = self.unit
         if unit.following:
@@ -488,13 +553,12 @@ class SmartExecutor:
         """A saved tensor read while the model's forward still runs: its data, nothing else.
 
         Note: [Reads of saved tensors inside the forward]
-        ``torch.autograd.grad`` called inside a forward (a gradient penalty, a physics loss) and
-        reads of ``grad_fn._saved_*`` unpack saved tensors before the backward of the step. They
-        are not its start: the forward goes on, and what it saves next belongs to the same
-        micro-batch. So such an unpack only brings its storage back if it had left (it then
-        stays on the device for the rest of the step) and checks its version; it neither ends
-        the forward's swapping nor counts as a backward read in the profile. An unpack while the
-        model's root module is not running starts the backward, as before.
+        ``torch.autograd.grad`` inside a forward (a gradient penalty, a physics loss) and reads
+        of ``grad_fn._saved_*`` unpack saved tensors without starting the backward: the forward
+        goes on, and what it saves next belongs to the same micro-batch. Such an unpack only
+        restores its storage if it had left (it then stays for the step) and checks its version;
+        it neither ends the forward's swapping nor counts as a backward read in the profile. An
+        unpack while the root module is not running starts the backward.
         """
         slot = handle.slot
         if slot is not None and slot.group is not None and slot.group.stat != DEVICE:

@@ -1,22 +1,62 @@
 """Following a plan in a stable step: which saved tensor is which plan entry, what moves, when.
 
 A :class:`Follower` runs one :class:`~swap_pass.smart.policy.SwapPolicy` over one micro-batch:
-it matches each live feature key to a plan entry (fuzzy, see :mod:`~swap_pass.smart.matcher`),
-switches to a cached plan when the one in force misses (Note: [Choosing a cached plan
-mid-step]), tells the executor whether an entry swaps, which logical layer the forward is in and
-what to prefetch at an unpack, and gives up after ``miss_limit`` misses in a row (Note: [Falling
-back mid-step] in executor.py). The copies themselves are the executor's.
+it matches each live feature key to a plan entry (:class:`OnlineMatcher`), switches to a cached
+plan when the one in force misses (Note: [Choosing a cached plan mid-step]) and gives up after
+``miss_limit`` misses in a row (Note: [Falling back mid-step] in executor.py). It only decides;
+the copies are the executor's.
 """
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
-from swap_pass.smart.matcher import OnlineMatcher
 from swap_pass.smart.policy import SwapPolicy
 
-__all__ = ["Follower"]
+__all__ = ["Follower", "OnlineMatcher"]
+
+
+# --- Online alignment of live feature keys to a planned sequence (SmartSwap's fuzzy matching) -----
+
+class OnlineMatcher:
+    """Aligns live feature keys to a planned sequence as they arrive, tolerating edits.
+
+    Each key is looked up at or after the cursor, at most ``window`` positions ahead: a removed
+    op skips positions, an inserted op's key finds nothing and stays unmatched. ``streak``
+    counts consecutive misses.
+
+    Args:
+        keys: The planned key sequence.
+        window: How far ahead of the cursor a key may match.
+    """
+
+    def __init__(self, keys: list[int], window: int) -> None:
+        self.window = window
+        self.cursor = 0
+        self.streak = 0
+        self._positions: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            self._positions.setdefault(k, []).append(i)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._positions
+
+    def match(self, key: int) -> int | None:
+        """Position of ``key`` in the plan, or None (and the miss streak grows)."""
+        pos = self._positions.get(key)
+        if pos:
+            i = bisect.bisect_left(pos, self.cursor)
+            if i < len(pos) and pos[i] < self.cursor + self.window:
+                self.cursor = pos[i] + 1
+                self.streak = 0
+                return pos[i]
+        self.streak += 1
+        return None
+
+
+# --- following a plan -----------------------------------------------------------------------------
 
 
 class Follower:
@@ -57,13 +97,9 @@ class Follower:
         return self.policy.entries[pos].swap
 
     def match(self, unit, key: int, nbytes: int, is_state: bool) -> int | None:
-        """The plan position of the saved tensor ``unit`` (the executor's
-        :class:`~swap_pass.smart.saved_handles.MicroBatch`) just saved, or None.
-
-        On a miss of an activation, a cached plan that fits the micro-batch so far may take over
-        (Note: [Choosing a cached plan mid-step]). Model state matches whatever the activations
-        do: it neither resets nor extends the miss streak.
-        """
+        """The plan position of the tensor ``unit`` (a :class:`~swap_pass.smart.saved.MicroBatch`)
+        just saved, or None; model state neither resets nor extends the miss streak. A missed
+        activation may switch plans: Note: [Choosing a cached plan mid-step]."""
         j = self.matcher.match(unit.classes[-1] if self.by_structure else key)
         if j is None and not is_state:
             j = self._switch_plan(unit, key, nbytes)
@@ -100,18 +136,16 @@ class Follower:
     # --- choosing a cached plan mid-step --------------------------------------------------------
 
     def _switch_plan(self, unit, key: int, nbytes: int) -> int | None:
-        """On a miss, run the cached plan that fits this micro-batch so far; its position of
-        ``key``.
+        """On a miss, run the cached plan that fits this micro-batch so far; its ``key`` position.
 
         Note: [Choosing a cached plan mid-step]
-        A step's signature is known only at its end, but the first saved tensor whose shape
+        A step's signature is known only at its end, but its first saved tensor whose shape
         changed (the embedding's input, for a new sequence length) already misses the plan in
-        force. Then every cached plan is tried on the keys saved so far: one that matches them
-        all (an exact earlier shape) is taken at once; else a plan of the same *structure* (the
-        same keys with the shapes left out) made for a larger shape, the smallest such: its
-        choice keeps at most what it kept at the larger shape, so under a byte budget the peak
-        can only be lower. The storages tracked so far are re-tagged by the new plan, so the
-        switch is as if the step had started with it.
+        force. Every cached plan is then tried on the keys saved so far: one matching them all
+        (an earlier shape) is taken at once; else the smallest plan of the same *structure* (keys
+        without shapes) made for a larger shape, which keeps at most what it kept there, so
+        under a byte budget the peak can only be lower. The storages tracked so far are
+        re-tagged by the new plan, as if the step had started with it.
         """
         best = None
         for plan in self._plans():
@@ -148,8 +182,7 @@ class Follower:
         unit.report.switched = True
         self.by_index = {}
         slots = {}
-        # positions also covers the tensor being saved now, whose handle is not in
-        # unit.handles yet
+        # positions also covers the tensor being saved now (its handle is not in unit.handles)
         for ref, pos in zip(unit.handles, positions, strict=False):
             handle = ref() if ref is not None else None
             if handle is None:

@@ -8,11 +8,10 @@ From one :class:`~swap_pass.smart.profiler.DetailedProfile`:
    the resident-bytes curve; the ticks where it passes the budget, and by how much.
 3. **Candidate list (CL).** Storages that could leave after their last forward holder let go
    (``released``) and that backward reads later (``unpacked``), at least ``min_swap_bytes``.
-4. **Greedy choice.** For each prefetch depth (in logical layers) from 0 to the maximum: while
-   the replayed peak is above budget, take the largest candidate that is off the device at the
-   peak tick (ties: the earliest released, whose copy has the longest window). Each choice is
-   scored with :func:`~swap_pass.smart.simulator.simulate`; the plan kept is within budget,
-   then with the least predicted stall, then moves the fewest bytes, then prefetches least far.
+4. **Greedy choice.** For each copy overlap and prefetch depth (in logical layers): while the
+   replayed peak is above budget, take the largest candidate off the device at the peak tick
+   (ties: the earliest released, whose copy has the longest window). Choices are scored with
+   :func:`simulate`; :func:`_choose` says which is kept.
 
 The result, :class:`SwapPolicy`, only tags entries; the executor reads the tags.
 """
@@ -20,15 +19,225 @@ The result, :class:`SwapPolicy`, only tags entries; the executor reads the tags.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import functools
+from collections.abc import Sequence
 
-from swap_pass.memory_model import FORWARD_SHARE
-from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife
-from swap_pass.smart.simulator import SimResult, simulate
+from swap_pass.cost.model import FORWARD_SHARE, copy_seconds
+from swap_pass.smart.profiler import DetailedProfile, SavedRecord, StorageLife, sequence_distance
 
-__all__ = ["PolicyEntry", "SwapPolicy", "explain_peak", "free_ticks", "gen_policy",
-           "prefetch_ticks", "replay_peak"]
+__all__ = ["PlanCache", "PolicyEntry", "SimResult", "SwapPolicy", "explain_peak", "free_ticks",
+           "gen_policy", "prefetch_ticks", "replay_peak", "simulate"]
+
+
+# --- SmartSwap's plan cache: one plan per operator sequence seen, least recently used out first ---
+
+
+class PlanCache:
+    """Plans by the lightweight signature of their sequence, at most ``size`` of them, least
+    recently used evicted first; :meth:`find` also serves the nearest sequence in ``threshold``.
+
+    Args:
+        size: Most plans kept (``>= 1``).
+        threshold: Largest key-sequence distance (0..1) at which a plan serves another sequence.
+
+    Attributes:
+        hits: Micro-batches that switched to a cached plan of an earlier shape and ran it.
+        misses: Micro-batches whose sequence had no plan within the threshold (a plan was made
+            from their profile).
+        evictions: Plans dropped to keep the bound.
+        derived: Micro-batches that ran a plan made for a larger shape of the same structure.
+    """
+
+    def __init__(self, size: int, threshold: float) -> None:
+        self.size = size
+        self.threshold = threshold
+        self._plans: collections.OrderedDict[int, SwapPolicy] = collections.OrderedDict()
+        self._aliases: dict[int, tuple[int, float]] = {}  # signature -> (plan signature, distance)
+        self.hits = self.misses = self.evictions = self.derived = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plans(self) -> list[SwapPolicy]:
+        """The cached plans, most recently used first: a follower's candidates when the plan in
+        force misses (Note: [Choosing a cached plan mid-step] in follower.py)."""
+        return list(reversed(self._plans.values()))
+
+    def find(self, signature: int, keys: list[int]) -> tuple[SwapPolicy, float] | None:
+        """The plan for ``keys`` and its distance, or None: exact signature, else the nearest
+        within the threshold (remembered as an alias); it becomes the most recently used."""
+        found = self._lookup(signature, keys)
+        if found is not None:
+            self._plans.move_to_end(found[0].signature)
+        return found
+
+    def _lookup(self, signature: int, keys: list[int]) -> tuple[SwapPolicy, float] | None:
+        if signature in self._plans:
+            return self._plans[signature], 0.0
+        alias = self._aliases.get(signature)
+        if alias is not None and alias[0] in self._plans:
+            return self._plans[alias[0]], alias[1]
+        near = [(sequence_distance(keys, p.keys), p) for p in self._plans.values()]
+        near = [(d, p) for d, p in near if d <= self.threshold]
+        if not near:
+            return None
+        distance, plan = min(near, key=lambda dp: dp[0])
+        self._aliases[signature] = (plan.signature, distance)
+        return plan, distance
+
+    def put(self, plan: SwapPolicy) -> None:
+        """Add ``plan`` as most recently used, evicting the least recently used past ``size``."""
+        self._plans[plan.signature] = plan
+        self._plans.move_to_end(plan.signature)
+        while len(self._plans) > self.size:
+            gone, _ = self._plans.popitem(last=False)
+            self._aliases = {s: a for s, a in self._aliases.items() if a[0] != gone}
+            self.evictions += 1
+
+    def stats(self) -> dict[str, int]:
+        """``{"plans", "hits", "misses", "evictions", "derived"}``."""
+        return {"plans": len(self), "hits": self.hits, "misses": self.misses,
+                "evictions": self.evictions, "derived": self.derived}
+
+
+# --- the simulator: timing and memory of one step, per logical layer ------------------------------
+# Pattern it models (``G`` groups, forward then backward in reverse)::
+#     compute:  F0 F1 .. F(G-1) | B(G-1) .. B1 B0
+#     d2h:         o0 o1 ..           (group i leaves after F(i); freed once its copy is done,
+#                                      the compute stream waits for it at the end of F(i+1))
+#     h2d:                      i(j-d) ... (group j's copy is issued when B(j+d) starts, FIFO;
+#                                      B(j) waits for it)
+#
+# Plain numbers, no tensors: ``swap-pass plan`` and the policy ask it the stall and peak of a
+# choice without running the model. A copy takes :func:`swap_pass.cost.model.copy_seconds`.
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` predicts for one step.
+
+    Attributes:
+        stall_s: Seconds compute waits for copies, forward and backward together.
+        forward_stall_s: Seconds compute waits for device-to-host copies.
+        backward_stall_s: Seconds compute waits for host-to-device copies.
+        peak_bytes: Highest saved bytes resident on the device during the step.
+        step_s: Predicted step time: compute plus stalls.
+    """
+
+    stall_s: float
+    forward_stall_s: float
+    backward_stall_s: float
+    peak_bytes: int
+    step_s: float
+
+
+def _check_inputs(fwd_s, bwd_s, resident_bytes, swap_bytes, d2h_bw, h2d_bw, depth) -> None:
+    n = len(fwd_s)
+    if not (len(bwd_s) == len(resident_bytes) == len(swap_bytes) == n):
+        raise ValueError(
+            "swap_pass.simulate: per-group sequences differ in length "
+            f"({n}, {len(bwd_s)}, {len(resident_bytes)}, {len(swap_bytes)}). They must be equal."
+        )
+    if d2h_bw <= 0 or h2d_bw <= 0:
+        raise ValueError(
+            f"swap_pass.simulate: bandwidths ({d2h_bw}, {h2d_bw}) bytes/s are invalid. "
+            "They must be > 0."
+        )
+    if depth < 0:
+        raise ValueError(f"swap_pass.simulate: prefetch_depth={depth} is invalid. It must be >= 0.")
+
+
+def _forward(fwd_s, resident_bytes, swap_bytes, d2h_bw) -> tuple[float, float, int, int]:
+    """Forward pass: returns (end time, stall, peak bytes, bytes resident at the end)."""
+    now = stall = 0.0
+    mem = peak = 0
+    channel_free = 0.0
+    waiting: list[tuple[float, int]] = []  # (copy done at, bytes) of groups not yet freed
+    for fwd, res, swp in zip(fwd_s, resident_bytes, swap_bytes, strict=True):
+        now += fwd
+        mem += res + swp
+        peak = max(peak, mem)
+        for done, nbytes in waiting:  # the previous group is freed at the end of this one
+            stall += max(0.0, done - now)
+            now = max(now, done)
+            mem -= nbytes
+        start = max(now, channel_free)
+        channel_free = start + copy_seconds(swp, d2h_bw)
+        waiting = [(channel_free, swp)] if swp else []
+    for done, nbytes in waiting:
+        stall += max(0.0, done - now)
+        now = max(now, done)
+        mem -= nbytes
+    return now, stall, peak, mem
+
+
+def _backward(now, mem, bwd_s, resident_bytes, swap_bytes, h2d_bw,
+              depth) -> tuple[float, float, int]:
+    """Backward pass in reverse group order: returns (end time, stall, peak bytes)."""
+    n = len(bwd_s)
+    stall, peak = 0.0, mem
+    channel_free = now
+    ready: dict[int, float] = {}
+    next_issue = n - 1  # highest group whose copy is not issued yet
+    for j in range(n - 1, -1, -1):
+        while next_issue >= max(j - depth, 0):
+            g = next_issue
+            if swap_bytes[g]:
+                start = max(now, channel_free)
+                channel_free = ready[g] = start + copy_seconds(swap_bytes[g], h2d_bw)
+                mem += swap_bytes[g]
+            next_issue -= 1
+        peak = max(peak, mem)
+        if j in ready:
+            stall += max(0.0, ready[j] - now)
+            now = max(now, ready[j])
+        now += bwd_s[j]
+        mem -= resident_bytes[j] + swap_bytes[j]
+    return now, stall, peak
+
+
+def simulate(
+    fwd_s: Sequence[float],
+    bwd_s: Sequence[float],
+    resident_bytes: Sequence[int],
+    swap_bytes: Sequence[int],
+    *,
+    d2h_bandwidth: float,
+    h2d_bandwidth: float,
+    prefetch_depth: int = 1,
+) -> SimResult:
+    """Predict stall and peak memory of one step for a swap choice, group by group.
+
+    Args:
+        fwd_s: Forward compute seconds of each group, in forward order.
+        bwd_s: Backward compute seconds of each group (indexed like ``fwd_s``).
+        resident_bytes: Saved bytes of each group that stay on the device.
+        swap_bytes: Saved bytes of each group that go to the host after the group's forward.
+        d2h_bandwidth: Device-to-host copy bandwidth, bytes per second.
+        h2d_bandwidth: Host-to-device copy bandwidth, bytes per second.
+        prefetch_depth: How many groups ahead backward issues a group's host-to-device copy:
+            group ``j`` is issued when the backward of group ``j + prefetch_depth`` starts;
+            ``0`` issues it when its own backward starts. Default: ``1``.
+
+    Returns:
+        A :class:`SimResult`. Copies run one at a time per direction (one stream each), in
+        issue order; a group's device memory is allocated when its copy is issued.
+
+    Raises:
+        ValueError: sequences of different lengths, a bandwidth <= 0 or a negative depth.
+    """
+    _check_inputs(fwd_s, bwd_s, resident_bytes, swap_bytes, d2h_bandwidth, h2d_bandwidth,
+                  prefetch_depth)
+    now, f_stall, f_peak, mem = _forward(fwd_s, resident_bytes, swap_bytes, d2h_bandwidth)
+    end, b_stall, b_peak = _backward(now, mem, bwd_s, resident_bytes, swap_bytes,
+                                     h2d_bandwidth, prefetch_depth)
+    return SimResult(stall_s=f_stall + b_stall, forward_stall_s=f_stall, backward_stall_s=b_stall,
+                     peak_bytes=max(f_peak, b_peak), step_s=end)
+
+
+# --- the policy: candidates, the greedy choice, the plan ------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +342,8 @@ class SwapPolicy:
 
 def prefetch_ticks(profile: DetailedProfile, depth: int, groups: int) -> dict[int, tuple[int, int]]:
     """For each unpacked storage: (tick its copy back starts, record index whose unpack
-    triggers it).
-
-    Backward's unpacks are cut into ``groups`` equal logical layers of ``U / groups`` unpacks;
-    a storage first read at unpack rank ``r`` is brought back at rank
-    ``max(r - ceil(depth * U / groups), 0)``: ``depth`` layers ahead, ``0`` at its own read.
-    """
+    triggers it). With ``U`` unpacks, one first read at unpack rank ``r`` comes back at rank
+    ``max(r - ceil(depth * U / groups), 0)``: ``depth`` logical layers ahead."""
     unp = profile.unpack_ticks
     if not unp:
         return {}
@@ -184,10 +389,7 @@ def _intervals(life: StorageLife, swapped: bool, back_in: int | None, end: int,
 def replay_peak(profile: DetailedProfile, swapped: set[int], depth: int, groups: int,
                 overlap: int = 0) -> tuple[int, int]:
     """Resident activation bytes over the profiled step for a swap choice: (peak, tick of peak).
-
-    ``overlap``: logical layers each device-to-host copy runs before its storage is freed
-    (:func:`free_ticks`); ``0`` frees at release.
-    """
+    ``overlap``: as in :func:`free_ticks` (``0`` frees at release)."""
     back = prefetch_ticks(profile, depth, groups)
     free = free_ticks(profile, groups, overlap) if overlap else {}
     events: list[tuple[int, int]] = []
@@ -208,8 +410,7 @@ def replay_peak(profile: DetailedProfile, swapped: set[int], depth: int, groups:
 
 
 def memory_reduction_list(profile: DetailedProfile, budget: int) -> list[tuple[int, int, int]]:
-    """Runs of ticks where the unswapped resident bytes pass ``budget``:
-    (first, last, max excess)."""
+    """Runs of ticks where unswapped resident bytes pass ``budget``: (first, last, max excess)."""
     events = []
     for life in profile.storages:
         for start, stop in _intervals(life, False, None, profile.end_tick, None):
@@ -230,8 +431,7 @@ def memory_reduction_list(profile: DetailedProfile, budget: int) -> list[tuple[i
 
 
 def candidate_list(profile: DetailedProfile, min_swap_bytes: int) -> list[int]:
-    """Storages that can leave after their last forward holder and return before backward
-    reads them."""
+    """Storages that can leave before backward (after their last forward holder) and it reads."""
     bwd = profile.backward_tick
     return [
         i for i, s in enumerate(profile.storages)
@@ -298,17 +498,15 @@ def _excess_area(profile, chosen, depth, groups, overlap, budget) -> int:
 
 def _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups,
                      overlap) -> set[int]:
-    """The peak cannot come down: still take every candidate (largest first) that is off the
-    device at some tick still over budget, so the rest of the step comes as low as it can.
+    """The peak cannot come down: lower the rest of the step as far as it goes.
 
     Note: [Budgets the peak cannot reach]
-    When the peak lies where no candidate can be off the device (every storage there is still
-    in use by the forward, or already back for backward), covering the peak stops. Stopping
-    there would leave every other tick as it was: with ``memory_budget=0`` on ``(x + 1) *
-    (x + 1)`` the stable steps then moved nothing while the conservative steps freed both
-    operands after the product. So the choice goes on over the ticks still above the budget:
-    a candidate is taken when its off-device window holds such a tick, which lowers the curve
-    there by its bytes. The plan is infeasible either way; ``SwapPolicy.unreachable`` says why.
+    Where no candidate can be off the device at the peak (all still used by the forward, or
+    back for backward), stopping would leave every other tick as it was: with
+    ``memory_budget=0`` on ``(x + 1) * (x + 1)`` stable steps moved nothing while conservative
+    steps freed both operands after the product. So the choice goes on, largest first, taking
+    each candidate whose off-device window holds a tick still over budget. The plan stays
+    infeasible; ``SwapPolicy.unreachable`` says why.
     """
     rest = sorted((c for c in cands if c not in chosen),
                   key=lambda c: (-profile.storages[c].nbytes, profile.storages[c].released))
@@ -326,8 +524,7 @@ def _lower_elsewhere(profile, budget, cands, chosen, free, back, depth, groups,
 
 def explain_peak(profile: DetailedProfile, chosen: set[int], depth: int, groups: int, overlap: int,
                  min_swap_bytes: int) -> tuple[int, str]:
-    """Why the replayed peak of a choice is where it is: (tick of the peak, the resident bytes
-    there by cause, in words)."""
+    """Why a choice's replayed peak is where it is: (its tick, bytes there by cause, in words)."""
     peak, tick = replay_peak(profile, chosen, depth, groups, overlap)
     back = prefetch_ticks(profile, depth, groups)
     free = free_ticks(profile, groups, overlap)
@@ -386,8 +583,7 @@ def _simulate(profile, chosen, groups, depth, fwd_fraction, d2h_bw, h2d_bw) -> S
 def _choose(profile, budget, cands, groups, max_depth, max_overlap, sim_args):
     """Greedy choice at each copy overlap and prefetch depth; keep the best: within budget (else
     the lowest peak, then the least bytes x ticks over budget), then the longest overlap, least
-    stall, fewest bytes moved, shallowest.
-    Returns (chosen storages, depth, overlap, replayed peak, prediction)."""
+    stall, fewest bytes moved, shallowest. Returns (chosen, depth, overlap, peak, prediction)."""
     best, best_rank = None, None
     for overlap in range(max_overlap, -1, -1):
         for depth in range(0, max_depth + 1):
@@ -425,7 +621,7 @@ def gen_policy(
         min_swap_bytes: Storages below this stay on the device. Default: ``0``.
         max_prefetch_depth: Deepest prefetch tried, in groups. Default: ``4``.
         fwd_fraction: Share of compute in forward. Default: ``1/3``
-            (:data:`~swap_pass.memory_model.FORWARD_SHARE`: backward is twice the forward).
+            (:data:`~swap_pass.cost.model.FORWARD_SHARE`: backward is twice the forward).
         d2h_bandwidth: Bytes/s device to host. Default: ``10e9``.
         h2d_bandwidth: Bytes/s host to device. Default: ``10e9``.
         max_overlap_groups: Most logical layers a device-to-host copy may run before the

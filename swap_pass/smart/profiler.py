@@ -3,11 +3,9 @@
 * **Lightweight** (every step): one integer key per saved tensor from cheap features (producing
   op, module call site, dtype, shape, whether it is model state); the step's signature is the
   hash of the key sequence. Comparing signatures detects a changed operator sequence.
-* **Detailed** (one step when a plan is needed): per saved tensor the same features plus bytes,
-  storage, forward order and backward use order; per storage when it could leave the device
-  (nothing but autograd holds it), when it was first read back and when autograd dropped it.
-  Events carry a global tick, so the memory curve of the step can be replayed for any swap
-  choice (:func:`swap_pass.smart.policy.replay_peak`).
+* **Detailed** (one step when a plan is needed): a :class:`SavedRecord` per saved tensor and a
+  :class:`StorageLife` per storage (packed, could leave, read back, dropped), on one tick clock,
+  so the step's memory curve replays for any choice (:func:`swap_pass.smart.policy.replay_peak`).
 """
 
 from __future__ import annotations
@@ -20,13 +18,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from swap_pass.runtime.skips import SkipReason
-from swap_pass.smart.saved_local import local_of, state_tensors_local
+from swap_pass.smart.saved import state_tensors_local
 
 __all__ = [
     "DetailedProfile",
     "FeatureTracker",
-    "LightweightProfiler",
     "SavedRecord",
     "StorageLife",
     "feature_key",
@@ -46,10 +42,8 @@ def op_name(tensor: torch.Tensor) -> str:
 
 def feature_key(op: str, fqn: str, dtype: torch.dtype, shape: tuple | int, is_state: bool) -> int:
     """The integer key of one saved tensor: what fuzzy matching and the signature compare.
-
-    With ``shape`` an ``int`` (the number of dimensions) it is the *structure* key, which
-    stays the same when the sequence length or batch size changes.
-    """
+    With ``shape`` an ``int`` (the number of dimensions), the *structure* key, the same across
+    sequence lengths and batch sizes."""
     return hash((op, fqn, dtype, shape, is_state))  # torch.Size hashes like the tuple it is
 
 
@@ -194,10 +188,9 @@ class DetailedProfile:
         backward_tick: Tick of the first unpack (start of backward), or None.
         end_tick: Last tick of the step.
         step_s: Wall time of the step (``step()`` to ``step()``), seconds.
-        transfer_s: Seconds the executor's copies took during the step: the host time of the
-            calls on CPU (synchronous copies), the copies' own time on their side streams on an
-            accelerator (timing events; see Note: [Timing on the device] in
-            ``swap_pass/cost_probes.py``).
+        transfer_s: Seconds the executor's copies took in the step: host time on CPU, their
+            own time on the side streams on an accelerator (see Note: [Timing on the device] in
+            ``swap_pass/cost/probes.py``).
     """
 
     records: list[SavedRecord] = dataclasses.field(default_factory=list)
@@ -226,62 +219,6 @@ class DetailedProfile:
                 f"saved_bytes={self.saved_bytes()}, step_s={self.step_s:.4f})")
 
 
-# --- lightweight profiler on its own (for the overhead benchmark) -------------------------------
-
-
-class LightweightProfiler:
-    """The lightweight profiler alone: keys and signature per step, nothing swapped.
-
-    SmartSwap runs the same feature code inside its executor; this class exists so that its cost
-    can be measured apart (``swap_pass.smart.bench.profiler_overhead_rows``).
-
-    Args:
-        model: The model to watch.
-        callsite_depth: See :class:`FeatureTracker`. Default: ``2``.
-    """
-
-    def __init__(self, model: nn.Module, callsite_depth: int | None = 2) -> None:
-        self.model = model
-        self.callsite_depth = callsite_depth
-        self.keys: list[int] = []
-        self.signatures: list[int] = []
-        self._tracker: FeatureTracker | None = None
-        self._hooks = None
-        self._state: set[int] = set()
-
-    def __enter__(self) -> LightweightProfiler:
-        self._tracker = FeatureTracker(self.model, self.callsite_depth)
-        self._state = state_storage_ptrs(self.model)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-        self._tracker.remove()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        fn = t.grad_fn  # feature_key and state_key, inlined: this is the hot path
-        local = local_of(t)
-        if type(local) is SkipReason:  # no plain storage: never model state, never moved
-            return t
-        is_state = fn is None and local.untyped_storage().data_ptr() in self._state
-        self.keys.append(hash(("leaf" if fn is None else type(fn).__name__,
-                               self._tracker._stack[-1], t.dtype, t.shape, is_state)))
-        return t
-
-    def step(self) -> int:
-        """Close the step: return its signature and start a new key sequence."""
-        sig = hash(tuple(self.keys))
-        self.signatures.append(sig)
-        self.keys = []
-        return sig
-
-
-def _identity(x):
-    return x
-
-
 def _state_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     yield from model.parameters()
     yield from model.buffers()
@@ -289,7 +226,7 @@ def _state_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 def state_storage_ptrs(model: nn.Module) -> set[int]:
     """Data pointers of the storages of the model's parameters and buffers (a ``DTensor``'s:
-    its local tensor's; sparse, nested and other subclasses are left out, see saved_local.py)."""
+    its local tensor's; sparse, nested and other subclasses are left out, see saved.py)."""
     return {t.untyped_storage().data_ptr() for t in state_tensors_local(_state_tensors(model))}
 
 

@@ -1,12 +1,8 @@
 """Recording a step for SmartSwap's policy: what is saved, in which order, and each storage's life.
 
 A :class:`Recorder` fills one micro-batch's :class:`~swap_pass.smart.profiler.DetailedProfile`
-from the executor's hooks: a :class:`~swap_pass.smart.profiler.SavedRecord` per pack, a
-:class:`~swap_pass.smart.profiler.StorageLife` per tracked storage (packed, could leave, first
-read back, dropped), the unpack order and the step's times. Every event carries the executor's
-:class:`Ticks`, so the policy can replay the step's memory curve for any swap choice. It records
-only; what moves is the executor's (and its :class:`~swap_pass.smart.follower.Follower`'s)
-business.
+from the executor's hooks, every event at a tick of :class:`Ticks`, so that the policy can
+replay the step's memory curve for any swap choice. It only records.
 """
 
 from __future__ import annotations
@@ -22,9 +18,7 @@ __all__ = ["Recorder", "Ticks"]
 
 class Ticks:
     """SmartSwap's event clock: one tick per poll (pack, module exit), unpack and dropped storage.
-
-    One lives as long as its executor and restarts at 0 with every step.
-    """
+    Lives as long as its executor; restarts at 0 every step."""
 
     __slots__ = ("now",)
 

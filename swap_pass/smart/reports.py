@@ -1,34 +1,113 @@
-"""What a SmartSwap step did: its per-step and per-micro-batch reports."""
+"""Where a SmartSwap step stands and what it did: the stage machine and the step reports."""
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import warnings
+import enum
+from typing import TYPE_CHECKING
 
-from swap_pass.smart.policy import SwapPolicy
-from swap_pass.smart.profiler import DetailedProfile
-from swap_pass.smart.stages import Stage
+if TYPE_CHECKING:
+    from swap_pass.smart.policy import SwapPolicy
+    from swap_pass.smart.profiler import DetailedProfile
 
-__all__ = ["MicroBatchReport", "StepReport"]
-
-# The executor's former mode enum, by the stage each mode ran in: see __getattr__.
-_EXEC_MODE = types.SimpleNamespace(CONSERVATIVE=Stage.WARMUP, DETAILED=Stage.GEN_POLICY,
-                                   PLANNED=Stage.STABLE)
+__all__ = ["MicroBatchReport", "Stage", "StageController", "StageEvent", "StepReport"]
 
 
-def __getattr__(name: str):
-    """``ExecMode``, deprecated: the executor runs by :class:`Stage` (its members name the
-    stages: ``CONSERVATIVE`` is ``Stage.WARMUP``, ``DETAILED`` ``Stage.GEN_POLICY``, ``PLANNED``
-    ``Stage.STABLE``)."""
-    if name == "ExecMode":
-        warnings.warn(
-            "swap_pass.smart: ExecMode is deprecated; the executor runs by "
-            "swap_pass.smart.Stage (ExecMode.CONSERVATIVE is Stage.WARMUP, DETAILED is "
-            "Stage.GEN_POLICY, PLANNED is Stage.STABLE) and StepReport.stage holds it.",
-            DeprecationWarning, stacklevel=2)
-        return _EXEC_MODE
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# --- SmartSwap's stage machine: when to profile in detail, when to plan, when to run a plan -------
+#     warmup --(warmup_steps done)--> gen_policy --(policy built)--> stable
+#                                         ^                             |
+#                                         +--(signature distance > threshold)
+#     stable --(small change, distance <= threshold)--> stable   (absorbed by fuzzy matching)
+
+
+class Stage(str, enum.Enum):
+    """A SmartSwap stage; compares equal to its string value."""
+
+    WARMUP = "warmup"
+    GEN_POLICY = "gen_policy"
+    STABLE = "stable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEvent:
+    """One line of the stage log.
+
+    Attributes:
+        step: The step (0-based, counted by ``SmartSwap.step()``) that just ended.
+        before: Stage during that step.
+        after: Stage of the next step.
+        reason: Why, in words (e.g. ``"signature changed: distance 0.71 > 0.10"``).
+    """
+
+    step: int
+    before: Stage
+    after: Stage
+    reason: str
+
+
+class StageController:
+    """Explicit state machine over :class:`Stage`, with a readable log.
+
+    Args:
+        warmup_steps: Steps to spend in ``warmup`` before the first detailed profile.
+        threshold: Signature distance (0..1) above which a stable plan is re-made.
+    """
+
+    def __init__(self, warmup_steps: int, threshold: float) -> None:
+        self.stage = Stage.WARMUP if warmup_steps > 0 else Stage.GEN_POLICY
+        self.warmup_steps = warmup_steps
+        self.threshold = threshold
+        self.log: list[StageEvent] = []
+        self._steps_in_stage = 0
+
+    def _move(self, step: int, after: Stage, reason: str) -> Stage:
+        self.log.append(StageEvent(step, self.stage, after, reason))
+        if after != self.stage:
+            self._steps_in_stage = 0
+        self.stage = after
+        return after
+
+    def end_step(self, step: int, *, policy_built: bool, distance: float | None) -> Stage:
+        """Advance after step ``step``; return the stage of the next step.
+
+        Args:
+            step: Index of the step that ended.
+            policy_built: A policy was generated from this step's detailed profile.
+            distance: In ``stable``, the signature distance to the plan's sequence (``None``
+                when the signature was identical).
+        """
+        self._steps_in_stage += 1
+        if self.stage == Stage.WARMUP:
+            if self._steps_in_stage >= self.warmup_steps:
+                return self._move(step, Stage.GEN_POLICY,
+                                  f"warmup done after {self.warmup_steps} step(s)")
+            return self.stage
+        if self.stage == Stage.GEN_POLICY:
+            if policy_built:
+                return self._move(step, Stage.STABLE, "policy generated from the detailed profile")
+            return self.stage
+        if distance is None:
+            return self.stage
+        if distance > self.threshold:
+            return self._move(step, Stage.GEN_POLICY,
+                              f"signature changed: distance {distance:.3f} > {self.threshold:.3f}")
+        return self._move(step, Stage.STABLE,
+                          f"small change absorbed: distance {distance:.3f} <= {self.threshold:.3f}")
+
+    def note(self, step: int, reason: str) -> None:
+        """Log an event of step ``step`` that keeps the stage (a plan cache hit or miss)."""
+        self.log.append(StageEvent(step, self.stage, self.stage, reason))
+
+    @property
+    def replans(self) -> int:
+        """How many times a stable plan was dropped for a new one."""
+        return sum(1 for e in self.log if e.before == Stage.STABLE and e.after == Stage.GEN_POLICY)
+
+
+# --- what a step did ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -38,8 +117,7 @@ class StepReport:
     Attributes:
         keys: Feature keys of the first micro-batch in forward order (the lightweight profile).
         signature: Hash of ``keys``.
-        stage: The :class:`Stage` the step ran in (a stable micro-batch may still have
-            fallen back: ``fell_back``).
+        stage: The :class:`Stage` it ran in (a stable micro-batch may still have ``fell_back``).
         fell_back: A planned micro-batch switched to conservative after too many unmatched tensors.
         matched: Saved tensors matched to policy entries.
         unmatched: Saved tensors not matched (kept on the device).
@@ -52,9 +130,8 @@ class StepReport:
             ``stable`` steps that record), else None.
         micro_batches: Forward + backward passes in the step (gradient accumulation).
         units: Per micro-batch: :class:`MicroBatchReport`.
-        max_in_flight: Most micro-batches whose saved tensors autograd held at once (above 1: a
-            micro-batch's forward began before the backward of an earlier one had finished, as
-            in a 1F1B pipeline schedule; see Note: [Micro-batches in flight] in executor.py).
+        max_in_flight: Most micro-batches whose saved tensors autograd held at once (above 1 in
+            a 1F1B pipeline schedule, say; see Note: [Micro-batches in flight] in executor.py).
         evicted_bytes: Bytes such earlier micro-batches kept on the device and that moved to
             the host when a later one began (also in ``swapped_bytes``).
     """
@@ -74,13 +151,6 @@ class StepReport:
     units: list[MicroBatchReport] = dataclasses.field(default_factory=list)
     max_in_flight: int = 1
     evicted_bytes: int = 0
-
-    @property
-    def mode(self) -> Stage:
-        """Deprecated: :attr:`stage`."""
-        warnings.warn("swap_pass.smart.StepReport.mode is deprecated; read StepReport.stage "
-                      "(the Stage the step ran in).", DeprecationWarning, stacklevel=2)
-        return self.stage
 
     def __repr__(self) -> str:  # one line; ``keys`` and ``profile`` are in the attributes
         return (f"StepReport(stage={self.stage.value!r}, saved={len(self.keys)}, "

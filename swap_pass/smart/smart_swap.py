@@ -9,14 +9,13 @@
 
 Steps run in one of three stages (``smart.stage``; history in ``smart.stage_log``): ``warmup``
 and ``gen_policy`` swap conservatively (every eligible activation leaves once only autograd
-holds it), ``gen_policy`` also records a detailed profile from which ``smart.policy`` is built;
-``stable`` follows the policy and compares each step's lightweight signature with the plan's.
+holds it: memory stays bounded without a plan), ``gen_policy`` records the detailed profile
+``smart.policy`` is built from, and ``stable`` follows it, checking each step's signature.
 
-Plans are cached by signature (``SmartSwapConfig.plan_cache_size``): a stable step whose shape
-was planned before switches to that plan at its first changed saved tensor, a new length of
-the same structure runs the plan of the nearest longer one, and a stable step with no plan
-records its own profile, from which its plan is made at ``step()``. So after the first plan no
-step re-profiles; ``plan_cache_size=0`` re-profiles at every change instead.
+Plans are cached by signature (``SmartSwapConfig.plan_cache_size``): a stable step switches to
+a cached plan of its shape at its first changed saved tensor, a new length of the same structure
+runs the plan of the nearest longer one, and a step with no plan records a profile, planned at
+``step()``. So after the first plan no step re-profiles (``plan_cache_size=0``: at every change).
 """
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ import torch
 from torch import nn
 
 from swap_pass.config import SwapConfig, check_config
-from swap_pass.cost_probes import measure_copy_bandwidth
-from swap_pass.memory_model import FORWARD_SHARE
+from swap_pass.cost.model import FORWARD_SHARE
+from swap_pass.cost.probes import measure_copy_bandwidth
 from swap_pass.opt_out import ModuleFilter, check_module_filter
 from swap_pass.runtime import register_reset_hook
-from swap_pass.smart.executor import MicroBatchReport, SmartExecutor, StepReport
-from swap_pass.smart.plan_cache import PlanCache
-from swap_pass.smart.policy import SwapPolicy, gen_policy, replay_peak
+from swap_pass.smart.executor import SmartExecutor
+from swap_pass.smart.policy import PlanCache, SwapPolicy, gen_policy, replay_peak
 from swap_pass.smart.profiler import (
     DetailedProfile,
     FeatureTracker,
@@ -45,7 +43,14 @@ from swap_pass.smart.profiler import (
     sequence_distance,
     state_storage_ptrs,
 )
-from swap_pass.smart.stages import Stage, StageController, StageEvent
+from swap_pass.smart.reports import (
+    MicroBatchReport,
+    Stage,
+    StageController,
+    StageEvent,
+    StepReport,
+)
+from swap_pass.state import active_smart_swaps as _active
 
 __all__ = ["SmartSwap", "SmartSwapConfig"]
 
@@ -67,17 +72,15 @@ class SmartSwapConfig:
             conservative for the rest of the step. Default: ``8``.
         max_prefetch_depth: Deepest prefetch (in groups) the policy tries. Default: ``4``.
         fwd_fraction: Share of compute spent in forward, for the simulator. Default: ``1/3``
-            (:data:`~swap_pass.memory_model.FORWARD_SHARE`).
+            (:data:`~swap_pass.cost.model.FORWARD_SHARE`).
         d2h_bandwidth: Bytes/s; measured on first need when None. Default: ``None``.
         h2d_bandwidth: Bytes/s; the measured d2h figure when None. Default: ``None``.
         callsite_depth: Depth of the modules whose name is the call-site feature (``2``:
             ``"layers.1"``); ``None`` for every module. Default: ``2``.
-        plan_cache_size: Plans kept, one per operator sequence (least recently used dropped
-            first); ``0`` keeps only the current plan and re-profiles at every change.
-            Default: ``8``.
+        plan_cache_size: Plans kept, one per operator sequence, least recently used dropped
+            first; ``0`` keeps only the current one, re-profiling at every change. Default: ``8``.
         d2h_overlap_groups: Most logical layers a device-to-host copy runs before the forward
-            waits for it and frees its storage; the policy takes the longest that fits the
-            budget. Default: ``2``.
+            waits for it and frees its storage (the longest that fits the budget). Default: ``2``.
         swap: Runtime knobs (host cap, streams, pinning) for the groups. Default: ``SwapConfig()``.
     """
 
@@ -115,9 +118,6 @@ def _check(name: str, value, ok: bool, must: str) -> None:
     if not ok:
         raise ValueError(f"swap_pass.SmartSwapConfig: {name}={value!r} is invalid. "
                          f"It must be {must}.")
-
-
-_active: list[SmartSwap] = []
 
 
 @register_reset_hook
@@ -161,7 +161,7 @@ class SmartSwap:
         last_profile: The latest :class:`DetailedProfile`.
         last_report: The :class:`StepReport` of the latest step.
         steps: Steps completed (calls to :meth:`step`).
-        plan_cache: The :class:`~swap_pass.smart.plan_cache.PlanCache` (``hits``, ``misses``,
+        plan_cache: The :class:`~swap_pass.smart.policy.PlanCache` (``hits``, ``misses``,
             ``evictions``, ``derived``), or None with ``plan_cache_size=0``.
 
     Raises:
@@ -254,11 +254,10 @@ class SmartSwap:
         """Remove every hook. Tensors already saved keep working (their unpack still restores).
 
         Note: [Entering and leaving as one transaction]
-        ``__enter__`` adds module hooks, then saved-tensor hooks, then registers the instance
-        as active; a failure at any point (inside ``disable_saved_tensors_hooks``, a model whose
-        state cannot be read) undoes what was done, so the model and the process are as before
-        and a later ``with smart:`` works. ``close`` undoes each part on its own, even when
-        another part fails, and then re-raises the first failure.
+        ``__enter__`` adds module hooks, then saved-tensor hooks, then registers the instance as
+        active; a failure anywhere (inside ``disable_saved_tensors_hooks``, unreadable model
+        state) undoes it all, leaving model and process as before for a later ``with smart:``.
+        ``close`` undoes each part even when another fails, then re-raises the first failure.
         """
         errors = []
         for undo in (self._pop_hooks, self._remove_tracker, self._deactivate):
@@ -290,9 +289,8 @@ class SmartSwap:
         restore at backward. A no-op outside ``with SmartSwap(...)``.
 
         Raises:
-            RuntimeError: another ``torch.autograd.graph.saved_tensors_hooks`` was entered after
-                SmartSwap and is still active (the hooks form a stack: only the top one can be
-                suspended).
+            RuntimeError: other saved-tensor hooks entered after SmartSwap are still active (the
+                hooks form a stack: only the top one can be suspended).
         """
         hooks = self._hooks
         if hooks is None:

@@ -20,9 +20,9 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass import _test_accelerator as device_knobs
 from swap_pass.runtime.device import DeviceStreams
 from swap_pass.runtime.host_pool import host_pool
+from swap_pass.testing import accelerator as device_knobs
 from swap_pass.testing import load_test_accelerator
 
 MIB = 1 << 20

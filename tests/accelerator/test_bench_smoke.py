@@ -4,9 +4,9 @@ measured there mean nothing; only status, exactness and the swap's own counters 
 
 from __future__ import annotations
 
-from swap_pass.bench.methods import BenchContext
-from swap_pass.bench.presets import get_preset
-from swap_pass.bench.run import run_bench
+from swap_pass.tools.bench.methods import BenchContext
+from swap_pass.tools.bench.presets import get_preset
+from swap_pass.tools.bench.run import run_bench
 
 from .conftest import needs_test_accelerator
 

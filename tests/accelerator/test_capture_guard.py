@@ -2,7 +2,7 @@
 device guard, like torch_npu's NPUGuardImpl, leaves ``isStreamCapturing`` at its default (False),
 so only the device module's ``is_current_stream_capturing`` knows (see Notes [Asking both
 capture queries] in ``swap_pass/runtime/device.py`` and [A group that meets a capture] in
-``swap_pass/runtime/swap_tensors.py``)."""
+``swap_pass/runtime/group.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass import _test_accelerator as device_knobs
+from swap_pass.testing import accelerator as device_knobs
 
 from .conftest import needs_test_accelerator
 

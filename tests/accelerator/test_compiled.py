@@ -10,9 +10,9 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
 import swap_pass
-from swap_pass import _test_accelerator as device_knobs
 from swap_pass import make_swap_backend
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.testing import accelerator as device_knobs
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 from .conftest import needs_test_accelerator
 

@@ -5,7 +5,7 @@ the compute stream waits for it (the eager protocol two: Note: [The copy out sta
 layer's entry] in ``swap_pass/eager/_protocol.py``), and each prefetch at least one layer's
 backward before its reader; the one copy back that is not a prefetch (the eager protocol's
 restore at the first guard of a backward) is counted apart. Measured in each way's own layers
-(``swap_pass/bench/windows.py``).
+(``swap_pass/tools/bench/windows.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_pass import _test_accelerator as device_knobs
-from swap_pass.bench.windows import CFG, format_windows, measure_way
+from swap_pass.testing import accelerator as device_knobs
+from swap_pass.tools.bench.windows import CFG, format_windows, measure_way
 
 from .conftest import needs_test_accelerator
 

@@ -9,10 +9,10 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass import _test_accelerator as device_knobs
-from swap_pass.bench.presets import get_preset
-from swap_pass.capacity.limits import device_memory_cap
-from swap_pass.capacity.measured import run_capacity
+from swap_pass.testing import accelerator as device_knobs
+from swap_pass.tools.bench.presets import get_preset
+from swap_pass.tools.capacity.limits import device_memory_cap
+from swap_pass.tools.capacity.measured import run_capacity
 
 from .conftest import needs_test_accelerator
 

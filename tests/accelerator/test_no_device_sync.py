@@ -19,9 +19,9 @@ import torch
 
 import swap_pass
 from swap_pass import SmartSwap, SmartSwapConfig, SwapConfig
-from swap_pass import _test_accelerator as device_knobs
-from swap_pass.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
+from swap_pass.testing import accelerator as device_knobs
 from swap_pass.testing import count_device_syncs, no_device_sync
+from swap_pass.tools.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
 from tests.graph.helpers import TraceableLlama
 
 from .conftest import needs_test_accelerator

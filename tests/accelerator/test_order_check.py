@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_pass import _test_accelerator as device_knobs
+from swap_pass.testing import accelerator as device_knobs
 
 from .conftest import needs_test_accelerator
 

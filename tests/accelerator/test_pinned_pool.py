@@ -10,8 +10,8 @@ import torch
 
 import swap_pass
 from swap_pass import SwapConfig, SwapTensors
-from swap_pass import _test_accelerator as device_knobs
 from swap_pass.runtime.host_pool import host_pool
+from swap_pass.testing import accelerator as device_knobs
 
 from .conftest import needs_test_accelerator
 

@@ -13,7 +13,7 @@ import torch
 
 import swap_pass
 from swap_pass import SwapTensors
-from swap_pass import _test_accelerator as device_knobs
+from swap_pass.testing import accelerator as device_knobs
 
 from .conftest import needs_test_accelerator
 

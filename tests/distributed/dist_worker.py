@@ -10,7 +10,6 @@ forward, bytes swapped and released on this rank, nothing left pending, the user
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -88,7 +87,7 @@ def _blocks(inner) -> list:
 def _watch_inputs(inner):
     """Pre-hooks that keep each block's first-forward input, and whether each one's data was off
     the device when the final norm ran (the end of the blocks' forward)."""
-    from swap_pass.eager._layer_io import in_backward
+    from swap_pass.runtime.freeing import in_backward
     from tests.distributed import models as m
     seen, freed = [], []
     hooks = [layer.register_forward_pre_hook(
@@ -226,18 +225,6 @@ def compare(ref: dict, got: dict) -> dict:
     }
 
 
-@contextlib.contextmanager
-def maybe_stream_model():
-    """``swap_pass.testing.stream_model`` when the test run asked for it (the environment
-    variable reaches the spawned ranks), else nothing."""
-    if os.environ.get("SWAP_PASS_STREAM_MODEL", "") in ("", "0"):
-        yield None
-        return
-    from swap_pass.testing import stream_model
-    with stream_model(seed=int(os.environ.get("SWAP_PASS_STREAM_MODEL_SEED", "0"))) as model:
-        yield model
-
-
 def classic_tp_per_block_compile(mesh) -> dict[str, str]:
     """One forward and backward of the classic TP plan (``apply_tp(..., "classic")``) with each
     block's forward compiled (aot_eager) by plain ``torch.compile`` (``"torch"``), by
@@ -317,11 +304,8 @@ def run_setups(rank: int, out_dir: str, setups: list[str], train, *, compare_run
         for setup in setups:
             try:
                 ref = train(setup, False)
-                with maybe_stream_model() as model:
-                    got = train(setup, True)
+                got = train(setup, True)
                 report[setup] = compare_runs(ref, got)
-                if model is not None:
-                    report[setup]["hazards"] = [str(h) for h in model.hazards]
             except Exception:  # reported, so the test names the setup that failed
                 report[setup] = {"error": traceback.format_exc()}
                 print(report[setup]["error"], file=sys.stderr)

@@ -134,7 +134,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def plain_local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding a layer input's data (through DTensor and collective wrappers)."""
-    from swap_pass.runtime.subclasses import local_tensor
+    from swap_pass.runtime.freeing import local_tensor
     return local_tensor(t)
 
 

@@ -113,7 +113,7 @@ def _build(schedule: str, mesh, swap: bool):
 def _watch(model):
     """Pre-hooks keeping each block's forward input, and after the stage's forward whether each
     one's storage is freed (the first micro-batch's forward is the one the test reads)."""
-    from swap_pass.eager._layer_io import in_backward
+    from swap_pass.runtime.freeing import in_backward
     from tests.distributed.models import plain_local
     seen: list[torch.Tensor] = []
     freed: list[list[bool]] = []

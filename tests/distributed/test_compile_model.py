@@ -54,7 +54,6 @@ def _each_rank(reports: list[dict], setup: str):
         assert res["losses_equal"] and res["grads_equal"] and res["params_equal"], (rank, res)
         assert res["n_params"] == 39 and res["ref_outs"] == 0
         assert res["clean"] and res["intact"], (rank, res)
-        assert res.get("hazards", []) == [], (rank, res)
         yield rank, res
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaConfig, LlamaDecoderLayer
+from swap_pass.tools.models import LlamaConfig, LlamaDecoderLayer
 
 
 class FBLayer(nn.Module):

@@ -8,8 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import swap_pass
-from swap_pass.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
-from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.chain import SwapLayerInputManager
+from swap_pass.tools.models import LlamaConfig, LlamaDecoderLayer, LlamaStyleModel, make_batch
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2, intermediate_size=48)
 

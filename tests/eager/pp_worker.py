@@ -44,7 +44,7 @@ def expected_swaps_per_step(run: str, rank: int) -> int:
 
 
 def _cfg():
-    from swap_pass.models import LlamaConfig
+    from swap_pass.tools.models import LlamaConfig
     return LlamaConfig(vocab_size=64, hidden_size=32, num_layers=NUM_LAYERS, num_heads=2,
                        intermediate_size=48, max_seq_len=SEQ)
 
@@ -59,7 +59,7 @@ class Stage(nn.Module):
     def __init__(self, cfg, lo: int, hi: int, layer_cls, recompute: bool,
                  raw: bool = False) -> None:
         super().__init__()
-        from swap_pass.models import LlamaStyleModel
+        from swap_pass.tools.models import LlamaStyleModel
         torch.manual_seed(0)
         full = LlamaStyleModel(cfg)  # same weights on every rank and run
         self.first, self.last, self.recompute = lo == 0, hi == cfg.num_layers, recompute
@@ -113,7 +113,7 @@ def _inputs(raw: bool, ids: torch.Tensor, step: int) -> torch.Tensor:
 
 def _step(schedule: str, rank: int, layer_cls, recompute: bool, steps: int = 2, raw: bool = False):
     import swap_pass
-    from swap_pass.models import make_batch
+    from swap_pass.tools.models import make_batch
     mods, sched = _build(schedule, rank, layer_cls, recompute, raw)
     record = {"losses": [], "clean": [], "inputs_intact": []}
     for step in range(steps):
@@ -162,7 +162,7 @@ def train_compiled(setup: str, rank: int, swap: bool) -> dict:
     import torch._dynamo
 
     import swap_pass
-    from swap_pass.models import LlamaDecoderLayer, make_batch
+    from swap_pass.tools.models import LlamaDecoderLayer, make_batch
     from tests.distributed.dist_worker import STEPS, _graphs, close_record
     schedule = setup.split("-")[1]
     swap_pass.reset()
@@ -199,7 +199,7 @@ def train_compiled(setup: str, rank: int, swap: bool) -> dict:
 def run(rank: int, world: int, port: int, outdir: str) -> None:
     """Entry point for ``torch.multiprocessing.spawn``."""
     import swap_pass
-    from swap_pass.models import LlamaDecoderLayer
+    from swap_pass.tools.models import LlamaDecoderLayer
     from tests.eager.helpers import SwapLlamaLayer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -15,7 +15,7 @@ import torch
 
 import swap_pass
 from swap_pass.eager.enable import _SwappedForward
-from swap_pass.models import LlamaStyleModel
+from swap_pass.tools.models import LlamaStyleModel
 from tests.eager.helpers import CFG, assert_exact, batch, train_step
 
 hooks = pytest.importorskip("accelerate.hooks", reason="accelerate is not installed")

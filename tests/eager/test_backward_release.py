@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import swap_pass
-from swap_pass.models import LlamaConfig
+from swap_pass.tools.models import LlamaConfig
 from tests.eager.helpers import CheckpointedModel, batch
 
 CFG8 = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=8, num_heads=2, intermediate_size=48)

@@ -9,8 +9,8 @@ import copy
 import torch
 
 import swap_pass
-from swap_pass.eager._layer_io import in_backward
-from swap_pass.models import LlamaStyleModel, make_batch
+from swap_pass.runtime.freeing import in_backward
+from swap_pass.tools.models import LlamaStyleModel, make_batch
 from tests.eager.helpers import CFG, assert_clean, assert_exact
 
 

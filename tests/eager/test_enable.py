@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import swap_pass
-from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.eager import find_layer_blocks
-from swap_pass.eager._layer_io import in_backward
-from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.chain import SwapLayerInputManager
+from swap_pass.runtime.freeing import in_backward
+from swap_pass.tools.bench.hf_offload import hf_checkpointing_enable
 from tests.eager.helpers import CFG, assert_clean, assert_exact, train_step
 
 transformers = pytest.importorskip("transformers")
@@ -156,7 +156,7 @@ def test_module_dict_blocks_bitwise_equal(explicit):
 
 
 def test_remove_restores_the_model_exactly():
-    from swap_pass.models import LlamaStyleModel, make_batch
+    from swap_pass.tools.models import LlamaStyleModel, make_batch
     torch.manual_seed(0)
     model = LlamaStyleModel(CFG, recompute=True)
     before = {id(layer): dict(layer.__dict__) for layer in model.layers}
@@ -181,7 +181,7 @@ def test_remove_restores_the_model_exactly():
 
 
 def test_remove_keeps_a_preexisting_instance_forward():
-    from swap_pass.models import LlamaStyleModel
+    from swap_pass.tools.models import LlamaStyleModel
     model = LlamaStyleModel(CFG)
     custom = model.layers[0].forward
     model.layers[0].forward = custom
@@ -190,7 +190,7 @@ def test_remove_keeps_a_preexisting_instance_forward():
 
 
 def test_enable_twice_raises():
-    from swap_pass.models import LlamaStyleModel
+    from swap_pass.tools.models import LlamaStyleModel
     model = LlamaStyleModel(CFG)
     swap_pass.enable_swap_layer_input(model)
     with pytest.raises(RuntimeError, match="already enabled"):

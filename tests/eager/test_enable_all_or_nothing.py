@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
-from swap_pass.runtime.manager import SwapLayerInputManager
+from swap_pass.runtime.chain import SwapLayerInputManager
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.eager.helpers import CFG, assert_clean
 
 

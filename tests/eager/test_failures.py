@@ -2,7 +2,7 @@
 memory for a copy back) leaves every layer input with its data, through every eager way in and
 SmartSwap; after ``reset()`` the next step is bitwise equal to the same model without swap.
 
-See Note: [All-or-nothing transitions] in ``swap_pass/runtime/swap_tensors.py``.
+See Note: [All-or-nothing transitions] in ``swap_pass/runtime/group.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 
 import swap_pass
 from swap_pass import SmartSwap, SmartSwapConfig
-from swap_pass.models import LlamaStyleModel, make_batch
-from swap_pass.runtime.freed_guard import is_guarded
+from swap_pass.runtime.freeing import is_guarded
 from swap_pass.testing import InjectedFailure, inject_failures
+from swap_pass.tools.models import LlamaStyleModel, make_batch
 from tests.eager.helpers import CFG, SwapLlamaLayer
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import swap_pass
-from swap_pass.eager._layer_io import in_backward
-from swap_pass.models import LlamaDecoderLayer, LlamaStyleModel
+from swap_pass.runtime.freeing import in_backward
+from swap_pass.tools.models import LlamaDecoderLayer, LlamaStyleModel
 from tests.eager.helpers import CFG, MegatronCheckpoint, assert_clean, assert_exact, batch, twin
 
 

@@ -1,7 +1,7 @@
 """A layer that keeps a ``.detach()``, a view or a slice of its input: the storage stays.
 
 See Note: [Ownership rule] and Note: [Telling saved aliases from kept ones] in
-``swap_pass/runtime/ownership.py``. Monitoring hooks and caches keep such aliases during forward
+``swap_pass/runtime/freeing.py``. Monitoring hooks and caches keep such aliases during forward
 and read them before backward; before the check at free time the storage was freed under them
 and the read crashed the process (exit 139 on CPU). Every test compares loss and gradients
 bitwise with the same model without swap, checks the kept tensors' values against that model's,
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.eager.helpers import CFG, assert_clean, assert_exact
 
 KINDS = ("detach", "view", "slice")

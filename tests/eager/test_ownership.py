@@ -1,6 +1,6 @@
 """The ownership rule: a swap never frees a storage that something else can still read.
 
-See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``. Every test compares gradients
+See Note: [Ownership rule] in ``swap_pass/runtime/freeing.py``. Every test compares gradients
 bitwise with the same model without swap and the user's tensors with their values before the
 step, and shows that the swap did free something (so the test can fail).
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.eager.helpers import CFG, assert_clean, assert_exact
 
 

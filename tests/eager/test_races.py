@@ -1,8 +1,10 @@
-"""Stream races of the eager path, shown under the CPU stream model and fixed.
+"""Stream races of the eager path, each fixed.
 
-Each test runs the same model with and without swap under ``swap_pass.testing.stream_model``
-(side-stream copies queued, their destinations poisoned until waited for) and compares loss
-and gradients bitwise. Without the fix the swapped run reads poison (NaN) or freed storage.
+Each test runs the same model with and without swap on every device present (``device``) and
+compares loss and gradients bitwise. On the test accelerator (in its pass) side-stream copies run
+late and freed blocks are poisoned: without the fix the swapped run reads poison (NaN) or a freed
+block, and an unordered read, write or free it counts fails the test at teardown
+(``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer, LlamaStyleModel
-from swap_pass.testing import stream_model
+from swap_pass.tools.models import LlamaDecoderLayer, LlamaStyleModel
 from tests.eager.helpers import CFG, assert_clean, assert_exact, batch, train_step, twin
-
-pytestmark = pytest.mark.no_stream_model  # each test runs its own model, seeded
 
 
 class SegmentCheckpointModel(LlamaStyleModel):
@@ -97,23 +96,20 @@ class _Layer(LlamaDecoderLayer):
         return hidden_states if passthrough else super().forward(hidden_states, cos, sin)
 
 
-def _exact_under_model(factory, *, prefetch: bool, seed: int, steps: int = 2,
-                       frees: bool = True) -> None:
+def _exact(factory, device, *, prefetch: bool, steps: int = 2, frees: bool = True) -> None:
     torch.manual_seed(0)
-    ref_model = factory()
-    model = twin(ref_model, factory)
-    data = batch()
+    ref_model = factory().to(device)
+    model = twin(ref_model, factory).to(device)
+    data = batch(device=device)
     handle = swap_pass.enable_swap_layer_input(
         model, config=swap_pass.SwapConfig(prefetch=prefetch))
-    with stream_model(seed=seed) as sm:
-        for _ in range(steps):  # a second step reuses the pooled host buffers
-            ref = train_step(ref_model, data)
-            got = train_step(model, data)
-            assert_exact(ref, got)
+    for _ in range(steps):  # a second step reuses the pooled host buffers
+        ref = train_step(ref_model, data)
+        got = train_step(model, data)
+        assert_exact(ref, got)
     stats = swap_pass.swap_stats()
     assert stats.device_bytes_released == 0
     assert (stats.peak_device_bytes_released > 0) == frees
-    assert not sm.hazards, sm.hazards
     handle.remove()
     assert_clean()
 
@@ -121,7 +117,7 @@ def _exact_under_model(factory, *, prefetch: bool, seed: int, steps: int = 2,
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("segment", [2, 4])
-def test_checkpoint_spanning_swapped_layers_is_exact(segment, reentrant, prefetch):
+def test_checkpoint_spanning_swapped_layers_is_exact(segment, reentrant, prefetch, device):
     """The recompute of a segment reads its first layer's input before that layer's guard ran.
 
     Under reentrant checkpointing the layers inside a segment run under ``no_grad`` and only a
@@ -130,30 +126,23 @@ def test_checkpoint_spanning_swapped_layers_is_exact(segment, reentrant, prefetc
     With one segment around all layers nothing is freed.
     """
     frees = not reentrant or segment < CFG.num_layers
-    for seed in range(2):
-        _exact_under_model(lambda: SegmentCheckpointModel(CFG, segment, reentrant),
-                           prefetch=prefetch, seed=seed, frees=frees)
+    _exact(lambda: SegmentCheckpointModel(CFG, segment, reentrant), device, prefetch=prefetch,
+           frees=frees)
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("reader", ["alpha", "head"])
-def test_op_outside_the_layer_reading_its_input_is_exact(reader, prefetch):
+def test_op_outside_the_layer_reading_its_input_is_exact(reader, prefetch, device):
     """``alpha * x`` / a head on layer 1's input: their backward reads x before layer 1's does."""
-    for seed in range(2):
-        if reader == "alpha":
-            _exact_under_model(lambda: ReadsLayerInputModel(CFG, reader), prefetch=prefetch,
-                               seed=seed)
-            continue
-        # The warning is shown once per layer name, which holds the model's id(): the second
-        # seed's model may take the first one's address. A reset lets each seed warn.
-        swap_pass.reset()
-        with pytest.warns(RuntimeWarning, match=r"layers\[1\] .* shares its storage"):
-            _exact_under_model(lambda: ReadsLayerInputModel(CFG, reader), prefetch=prefetch,
-                               seed=seed)
+    if reader == "alpha":
+        _exact(lambda: ReadsLayerInputModel(CFG, reader), device, prefetch=prefetch)
+        return
+    with pytest.warns(RuntimeWarning, match=r"layers\[1\] .* shares its storage"):
+        _exact(lambda: ReadsLayerInputModel(CFG, reader), device, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("sharing", ["returns_input", "fed_to_two_layers"])
-def test_one_storage_in_two_layers_groups_is_exact(sharing):
+def test_one_storage_in_two_layers_groups_is_exact(sharing, device):
     """Both layers' groups would hold one storage; the first wait_d2h would free it under the
     other."""
 
@@ -162,5 +151,4 @@ def test_one_storage_in_two_layers_groups_is_exact(sharing):
         model.layers = torch.nn.ModuleList(_Layer(CFG) for _ in range(CFG.num_layers))
         return model
 
-    for seed in range(2):
-        _exact_under_model(factory, prefetch=True, seed=seed)
+    _exact(factory, device, prefetch=True)

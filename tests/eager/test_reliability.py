@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.eager.helpers import (
     CFG,
     CheckpointedModel,

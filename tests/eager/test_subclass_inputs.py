@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import swap_pass
-from swap_pass.runtime.subclasses import local_tensor
+from swap_pass.runtime.freeing import local_tensor
 from tests.eager.helpers import assert_clean
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -9,7 +9,7 @@ import torch
 
 import swap_pass
 from swap_pass.eager import _protocol
-from swap_pass.eager._layer_io import in_backward
+from swap_pass.runtime.freeing import in_backward
 from tests.eager.helpers import (
     CFG,
     CheckpointedModel,

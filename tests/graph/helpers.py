@@ -7,8 +7,8 @@ import copy
 import torch
 from torch import fx
 
-from swap_pass import models
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.tools import models
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
                    intermediate_size=32, max_seq_len=64)
@@ -118,11 +118,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def skip_inductor_on_the_test_accelerator(device: torch.device) -> None:
     """Skip an Inductor test on the test accelerator where this torch's Inductor cannot be
-    registered for it (``swap_pass._test_accelerator.inductor_reason()``); it runs there
+    registered for it (``swap_pass.testing.accelerator.inductor_reason()``); it runs there
     otherwise, with Inductor's C++ kernels in stream order."""
     import pytest
 
-    from swap_pass._test_accelerator import DEVICE_TYPE, inductor_reason
+    from swap_pass.testing.accelerator import DEVICE_TYPE, inductor_reason
 
     if device.type == DEVICE_TYPE and inductor_reason() is not None:
         pytest.skip(f"{inductor_reason()}; the aot_eager tests run there instead")

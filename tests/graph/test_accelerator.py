@@ -18,8 +18,8 @@ import torch
 
 import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
-from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.freeing import byte_span
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
 
 from ..conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 from .helpers import skip_inductor_on_the_test_accelerator

@@ -8,9 +8,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import swap_pass
 from swap_pass import SwapConfig, make_swap_backend
-from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.graph.boundaries import find_layers
 from swap_pass.graph.budget import CostModel
+from swap_pass.tools.bench.hf_offload import hf_checkpointing_enable
 from tests.conftest import DEVICES
 
 from .helpers import (
@@ -303,9 +303,10 @@ def test_forward_without_backward_and_no_grad_leave_nothing(device):
 
 def test_host_cap_applies_to_the_compiled_path(device):
     """The refused host buffer raises mid-forward; the first layer's swapped-out input dies
-    before its wait, its copy out still queued. Under the stream model swap_out's finalizer must
-    order the compute stream after that copy before the death returns (Note: [Storages that die
-    with a copy queued] in swap_pass/testing.py)."""
+    before its wait, its copy out still queued. On the test accelerator swap_out's finalizer must
+    order the compute stream after that copy before the compute stream's next allocation takes
+    the block (Note: [Sources that die unwaited] in swap_pass/graph/ops.py), or the device counts
+    an unordered free."""
     model = tiny_model(L, recompute=True, device=device)
     torch._dynamo.reset()
     backend = make_swap_backend("aot_eager", config=SwapConfig(max_host_bytes=1024))

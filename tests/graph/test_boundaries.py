@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swap_pass.graph.boundaries import find_layer_boundaries, normalize_fqn
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 
 from .helpers import (
     TraceableLlama,

@@ -10,10 +10,10 @@ import torch
 
 import swap_pass
 from swap_pass import make_swap_backend
-from swap_pass.bench.hf_llama_peak import hf_llama_step_peak
-from swap_pass.bench.measure import profile_step, warm_step_peak
 from swap_pass.graph.budget import CostModel
-from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.freeing import byte_span
+from swap_pass.tools.bench.hf_llama_peak import hf_llama_step_peak
+from swap_pass.tools.bench.measure import profile_step, warm_step_peak
 
 from .helpers import (
     PREFETCH_CHANGES_INDUCTOR_FUSION,

@@ -2,7 +2,7 @@
 when the user's CostModel gives both rates.
 
 See Note: [Probes run on real tensors], Note: [Measured rates] and Note: [Throughput probe] in
-``swap_pass/cost_probes.py``.
+``swap_pass/cost/probes.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import swap_pass.cost_probes as probes
+import swap_pass.cost.probes as probes
 import swap_pass.graph.budget as budget
 from swap_pass import make_swap_backend
 from swap_pass.graph.budget import Budget, CostModel, choose_swaps, matmul_dtype

@@ -11,7 +11,8 @@ import swap_pass
 from swap_pass import SwapConfig, make_swap_backend
 from swap_pass.graph import ops
 from swap_pass.runtime.device import device_streams
-from swap_pass.testing import stream_model
+from swap_pass.testing import accelerator as device_knobs
+from tests.conftest import on_test_accelerator
 
 from .helpers import twin
 
@@ -153,95 +154,111 @@ def test_compiled_transposed_layer_input_copies_contiguous_bytes_and_is_exact(co
 # --- the compute stream of a transfer ---------------------------------------------------------
 # A finalizer can run while any stream is current (inside the runtime's own side-stream context
 # during a copy, or a user's stream context): the copy it orders must be ordered against the
-# stream the transfer started on, which allocated (or freed) its memory.
+# stream the transfer started on, which allocated (or freed) its memory. On the test accelerator
+# with side-stream copies held until someone waits for them: the compute stream's next allocation
+# takes the dying tensor's block, and an unordered free fails the test at teardown.
+
+N = 64 * 64
 
 
-@pytest.mark.no_stream_model
-def test_a_source_dying_unwaited_under_another_stream_orders_the_stream_it_started_on():
-    with stream_model(seed=0, early_probability=0.0, check=False) as model:
-        x = torch.randn(64, 64)
-        host = OPS.swap_out(x)  # queued on the d2h stream; x was made on the compute stream
-        other = model.new_stream("user", compute=True)
-        with model.use_stream(other):
-            del x  # dies before its wait, while another compute stream is current
-        races = list(model.races)
-        del host
-    assert not races, races
+@on_test_accelerator
+def test_a_source_dying_unwaited_under_another_stream_orders_the_stream_it_started_on(
+        swaptest_held):
+    dev = swaptest_held
+    x = torch.arange(float(N), device=dev).view(64, 64)
+    host = OPS.swap_out(x)  # queued on the d2h stream; x was made on the compute stream
+    user = torch.Stream(device=dev)
+    with user:
+        del x  # dies before its wait, while another stream is current
+    later = torch.full((N,), 7.0, device=dev)  # takes x's block
+    assert torch.equal(OPS.wait(host), torch.arange(float(N)).view(64, 64))
+    assert torch.equal(later.cpu(), torch.full((N,), 7.0))
 
 
-@pytest.mark.no_stream_model
-def test_a_prefetched_tensor_dying_unwaited_under_another_stream_orders_its_allocating_stream():
-    with stream_model(seed=0, early_probability=0.0, check=False) as model:
-        x = torch.randn(64, 64)
-        host = OPS.wait(OPS.swap_out(x), x)
-        del x
-        dev = OPS.prefetch(host, torch.device("cpu"), [], [])  # allocated on the compute stream
-        other = model.new_stream("user", compute=True)
-        with model.use_stream(other):
-            del dev  # dies before its wait, while another compute stream is current
-        races = list(model.races)
-        del host
-    assert not races, races
+@on_test_accelerator
+def test_a_prefetched_tensor_dying_unwaited_under_another_stream_orders_its_allocating_stream(
+        swaptest_held):
+    dev = swaptest_held
+    x = torch.arange(float(N), device=dev).view(64, 64)
+    host = OPS.wait(OPS.swap_out(x), x)
+    del x
+    out = OPS.prefetch(host, dev, [], [])  # allocated on the compute stream
+    user = torch.Stream(device=dev)
+    with user:
+        del out  # dies before its wait, while another stream is current
+    later = torch.full((N,), 7.0, device=dev)  # takes the prefetch output's block
+    device_knobs.synchronize(0)  # the copy back ran, wherever it wrote
+    assert torch.equal(later.cpu(), torch.full((N,), 7.0))
+    del host
 
 
-@pytest.mark.no_stream_model
-def test_reset_under_another_stream_orders_the_streams_transfers_started_on():
-    with stream_model(seed=0, early_probability=0.0, check=False) as model:
-        x = torch.randn(64, 64)
-        host = OPS.swap_out(x)
-        other = model.new_stream("user", compute=True)
-        with model.use_stream(other):
-            swap_pass.reset()
-        del x
-        races = list(model.races)
-        del host
-    assert not races, races
+@on_test_accelerator
+def test_reset_under_another_stream_orders_the_streams_transfers_started_on(swaptest_held,
+                                                                         monkeypatch):
+    """The host cache has nothing to give back here, so ``reset()`` waits for no copy on the host
+    (freeing cached pinned blocks would)."""
+    dev = swaptest_held
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: None)
+    x = torch.arange(float(N), device=dev).view(64, 64)
+    host = OPS.swap_out(x)
+    user = torch.Stream(device=dev)
+    with user:
+        swap_pass.reset()
+    del x
+    later = torch.full((N,), 7.0, device=dev)  # takes x's block
+    device_knobs.synchronize(0)
+    assert torch.equal(later.cpu(), torch.full((N,), 7.0))
+    del host
 
 
 # --- graph capture ----------------------------------------------------------------------------
 
 
 @pytest.fixture
-def capturing(monkeypatch):
-    """The stream model with its compute stream reporting graph capture (``Stream.is_capturing``),
-    as a CUDA stream does inside ``torch.cuda.graph``: no CPU build can capture."""
-    with stream_model(seed=0) as model:
-        yield lambda on: monkeypatch.setattr(model.compute, "is_capturing", lambda: on,
-                                             raising=False)
-        swap_pass.reset()
+def capturing(swaptest, monkeypatch):
+    """``capturing(True)`` makes the test accelerator's device module say its current stream
+    captures a graph (``is_current_stream_capturing``), as torch_npu's does inside an NPU graph
+    capture; no CPU build can capture."""
+    state = {"on": False}
+    monkeypatch.setattr(getattr(torch, device_knobs.DEVICE_TYPE), "is_current_stream_capturing",
+                        lambda: state["on"], raising=False)
+    yield lambda on: state.update(on=on)
+    state["on"] = False
+    swap_pass.reset()
 
 
-@pytest.mark.no_stream_model
-def test_swap_out_during_capture_is_refused_and_leaves_nothing(capturing):
+@on_test_accelerator
+def test_swap_out_during_capture_is_refused_and_leaves_nothing(swaptest, capturing):
+    x = torch.randn(16, 16, device=swaptest)
     capturing(True)
     with pytest.raises(RuntimeError, match=r"swap_pass\.swap_out: .*capturing"):
-        OPS.swap_out(torch.randn(16, 16))
+        OPS.swap_out(x)
     assert ops.pending_transfers() == 0
     assert swap_pass.swap_stats().host_bytes_in_use == 0
 
 
-@pytest.mark.no_stream_model
 @pytest.mark.parametrize("op", ["prefetch", "swap_in"])
-def test_restore_during_capture_is_refused_and_leaves_the_host_copy(capturing, op):
-    x = torch.randn(16, 16)
+@on_test_accelerator
+def test_restore_during_capture_is_refused_and_leaves_the_host_copy(swaptest, capturing, op):
+    x = torch.randn(16, 16, device=swaptest)
     host = OPS.wait(OPS.swap_out(x), x)
     capturing(True)
     with pytest.raises(RuntimeError, match=rf"swap_pass\.{op}: .*capturing"):
         getattr(OPS, op).default(host, x.device, [], [])
     capturing(False)
     dev = OPS.swap_in(host, x.device, [], [])  # the host copy is still there
-    assert torch.equal(dev, x)
+    assert torch.equal(dev.cpu(), x.cpu())
 
 
-@pytest.mark.no_stream_model
-def test_wait_for_a_pending_copy_during_capture_is_refused(capturing):
-    x = torch.randn(16, 16)
+@on_test_accelerator
+def test_wait_for_a_pending_copy_during_capture_is_refused(swaptest, capturing):
+    x = torch.randn(16, 16, device=swaptest)
     host = OPS.swap_out(x)
     capturing(True)
     with pytest.raises(RuntimeError, match=r"swap_pass\.wait: .*capturing"):
         OPS.wait(host, x)
     capturing(False)
-    assert torch.equal(OPS.wait(host, x), x)
+    assert torch.equal(OPS.wait(host, x), x.cpu())
 
 
 # --- SwapConfig.pin_memory --------------------------------------------------------------------
@@ -257,15 +274,13 @@ def test_compiled_graph_passes_pin_memory_to_swap_out():
     torch._dynamo.reset()
 
 
-@pytest.mark.no_stream_model
 def test_swap_out_asks_for_pinned_host_memory_only_when_told(monkeypatch):
-    """Modelled streams of a device that pins: a CPU build cannot pin, so asking fails."""
-    with stream_model(seed=0):
-        monkeypatch.setattr(device_streams(torch.device("cpu")), "pin_memory", True)
-        x = torch.randn(16, 16)
-        host = OPS.swap_out(x, -1, True, False)
-        assert not host.is_pinned() and torch.equal(OPS.wait(host, x), x)
-        with pytest.raises(swap_pass.HostMemoryError, match="pinned"):
-            OPS.swap_out(x)
-        del host
-        swap_pass.reset()
+    """CPU streams made to say their device pins: a CPU build cannot pin, so asking fails."""
+    monkeypatch.setattr(device_streams(torch.device("cpu")), "pin_memory", True)
+    x = torch.randn(16, 16)
+    host = OPS.swap_out(x, -1, True, False)
+    assert not host.is_pinned() and torch.equal(OPS.wait(host, x), x)
+    with pytest.raises(swap_pass.HostMemoryError, match="pinned"):
+        OPS.swap_out(x)
+    del host
+    swap_pass.reset()

@@ -19,9 +19,9 @@ import torch
 import swap_pass
 import swap_pass.graph.ops as ops
 from swap_pass import make_swap_backend
-from swap_pass.bench.measure import warm_step_peak
 from swap_pass.graph.budget import CostModel
 from swap_pass.sac import has_offload_policies
+from swap_pass.tools.bench.measure import warm_step_peak
 from tests.conftest import DEVICES
 
 from .helpers import (
@@ -47,7 +47,7 @@ def inductor_device(request) -> torch.device:
 
 def _order_counters(device: torch.device) -> dict[str, int]:
     """The test accelerator's order-check counters (empty on CPU)."""
-    from swap_pass import _test_accelerator as device_knobs
+    from swap_pass.testing import accelerator as device_knobs
 
     if device.type != device_knobs.DEVICE_TYPE:
         return {}

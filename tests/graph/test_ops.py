@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import swap_pass
 from swap_pass import HostMemoryError
 from swap_pass.graph import ops
-from swap_pass.runtime.ownership import byte_span
+from swap_pass.runtime.freeing import byte_span
 
 OPS = torch.ops.swap_pass
 
@@ -33,12 +33,6 @@ def _round_trip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return host, OPS.wait(dev, host)
 
 
-# opcheck compares the outputs of swap_out and prefetch before any wait ran on them: under the
-# stream model those are poison until waited for, by design. These checks run unmodelled.
-_OPCHECK_UNMODELLED = pytest.mark.no_stream_model
-
-
-@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 def test_opcheck_swap_out(kind):
     x = _inputs()[kind]
@@ -46,7 +40,6 @@ def test_opcheck_swap_out(kind):
     torch.library.opcheck(OPS.swap_out.default, (x, 1 << 20, False))
 
 
-@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 @pytest.mark.parametrize("op", ["prefetch", "swap_in"])
 def test_opcheck_prefetch_and_swap_in(kind, op):
@@ -65,7 +58,6 @@ def test_opcheck_prefetch_and_swap_in(kind, op):
 WAIT_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
-@_OPCHECK_UNMODELLED
 @pytest.mark.parametrize("kind", list(_inputs()))
 def test_opcheck_wait(kind):
     x = _inputs()[kind]

@@ -1,6 +1,6 @@
 """``apply_swap_pass`` follows the ownership rule: what the user or a sibling holds stays put.
 
-See Note: [Ownership rule] in ``swap_pass/runtime/ownership.py``. Gradients are compared bitwise
+See Note: [Ownership rule] in ``swap_pass/runtime/freeing.py``. Gradients are compared bitwise
 with the same traced model without swap; the user's tensors with their values before the step.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.graph.helpers import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""``python -m swap_pass.graph.show`` prints the before/after graphs that docs/graph.md holds."""
+"""``python -m swap_pass.tools.graph_show`` prints the before/after graphs docs/graph.md holds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from swap_pass.graph.show import render
+from swap_pass.tools.graph_show import render
 
 
 def test_show_prints_graphs_before_and_after():

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from swap_pass.bench.megatron import forward_step  # noqa: E402
+from swap_pass.tools.bench.megatron import forward_step  # noqa: E402
 from tests.integrations import megatron_cpu as mc  # noqa: E402
 
 MICROBATCHES, LAYERS = 4, 8

@@ -42,7 +42,7 @@ def _build(setup: str):
 def _watch(model, layers: list):
     """Pre-hooks keeping each swapped layer's first-forward input, and whether each one's storage
     was freed when the final norm ran (the end of the blocks' forward)."""
-    from swap_pass.eager._layer_io import in_backward
+    from swap_pass.runtime.freeing import in_backward
     seen: list[torch.Tensor] = []
     freed: list[list[bool]] = []
     hooks = [layer.register_forward_pre_hook(

@@ -15,8 +15,8 @@ megatron_core = pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install 'swap-pass[megatron]')")
 
 import swap_pass  # noqa: E402
-from swap_pass.eager._layer_io import in_backward  # noqa: E402
 from swap_pass.integrations import megatron as sp_megatron  # noqa: E402
+from swap_pass.runtime.freeing import in_backward  # noqa: E402
 from tests.eager.helpers import assert_clean, assert_exact  # noqa: E402
 from tests.integrations import megatron_cpu as mc  # noqa: E402
 

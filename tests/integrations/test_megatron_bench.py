@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from swap_pass.bench import megatron as bench_megatron
+from swap_pass.tools.bench import megatron as bench_megatron
 
 
 def test_section_says_why_it_does_not_run_here():

@@ -24,11 +24,11 @@ import dataclasses  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 import swap_pass  # noqa: E402
-from swap_pass.eager._layer_io import in_backward  # noqa: E402
 from swap_pass.integrations.torchtitan import (  # noqa: E402
     SwapLayerInputConverter,
     deferred_swap,
 )
+from swap_pass.runtime.freeing import in_backward  # noqa: E402
 from tests.eager.helpers import assert_clean, assert_exact  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -13,8 +13,8 @@ from torch import nn
 
 import swap_pass
 from swap_pass import SmartSwap, SwapConfig
-from swap_pass.bench.hf_offload import hf_checkpointing_enable
 from swap_pass.smart import SmartSwapConfig
+from swap_pass.tools.bench.hf_offload import hf_checkpointing_enable
 from tests.peers.helpers import exact_steps, moved, qwen_batch, tiny_qwen2, twins
 
 pytest.importorskip("transformers")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swap_pass.models import LlamaConfig, LlamaStyleModel
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel
 from tests.eager.helpers import twin
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2, intermediate_size=48)

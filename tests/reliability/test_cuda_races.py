@@ -21,7 +21,7 @@ sanitizer), which device-generic library code never does. Run by ``scripts/gpu_c
 
 Why these bodies are not shared with the test accelerator (``swaptest``,
 ``swap_pass.testing.load_test_accelerator``): there every side-stream copy is already held back
-by the device's own seeded delay (``swap_pass._test_accelerator.set_delay``, on by default), so
+by the device's own seeded delay (``swap_pass.testing.accelerator.set_delay``, on by default), so
 the slowed-side-stream cases are the device-parametrized tests themselves: the same layer-input
 races at small sizes in ``tests/eager/test_races.py``, ``tests/runtime``, the compiled path
 (aot_eager) in ``tests/graph``, SmartSwap in ``tests/smart``, two threads in
@@ -50,7 +50,6 @@ from swap_pass.runtime.device import DeviceStreams
 
 pytestmark = [
     pytest.mark.accelerator,
-    pytest.mark.no_stream_model,
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA device; this machine has none"),
 ]
@@ -353,7 +352,7 @@ def test_retained_graph_compiled_with_slow_side_streams(slow_side_streams):
 _SANITIZED_STEP = textwrap.dedent("""
     import torch, swap_pass
     import torch.cuda._sanitizer as csan
-    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+    from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
     assert csan.cuda_sanitizer.enabled, "TORCH_CUDA_SANITIZER=1 did not turn the sanitizer on"
     cfg = LlamaConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=512,
                       vocab_size=128)

@@ -1,6 +1,6 @@
 """Touching a swapped-out layer input before backward restored it: a clear error, not a crash.
 
-Note: [Guarding freed tensors] in swap_pass/runtime/freed_guard.py. Without the guard every
+Note: [Guarding freed tensors] in swap_pass/runtime/freeing.py. Without the guard every
 data access below reads or writes a storage of zero bytes and the process dies with SIGSEGV, so
 each scenario runs in a child process: a regression fails its test instead of killing pytest.
 """
@@ -20,7 +20,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 _PRELUDE = textwrap.dedent("""
     import copy, json, torch, swap_pass
-    from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
+    from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2,
                       intermediate_size=48)
     torch.manual_seed(0)

@@ -89,7 +89,7 @@ def test_failed_host_allocation_is_a_host_memory_error():
     """A real failed allocation (1 PiB, beyond any address space) reads like the cap."""
     with pytest.raises(HostMemoryError, match=r"swap_pass\.host_pool: allocating a host buffer "
                                               r"failed .*: 1125899906842624 bytes needed"):
-        host_pool().acquire(1 << 50, pin=False)
+        host_pool().take(1 << 50, pin=False)[0]
     assert host_pool().bytes_in_use == 0 and swap_pass.swap_stats().host_allocations == 0
 
 

@@ -15,7 +15,7 @@ import pytest
 from torch import nn
 
 import swap_pass
-from swap_pass.models import LlamaDecoderLayer
+from swap_pass.tools.models import LlamaDecoderLayer
 from tests.eager.helpers import assert_clean, assert_exact, batch, train_step, twin
 from tests.reliability.helpers import CFG, SWAPPED_LAYERS, InputProbe, input_bytes, model_pair, sgd
 
@@ -94,9 +94,8 @@ def _overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return sum(1 for (a0, a1), (b0, b1) in zip(a, b, strict=True) if a0 < b1 and b0 < a1)
 
 
-# Under the stream model both threads queue their work on the one compute stream, as on a device's
-# default stream; each thread's copies must wait on that thread's own work there (Note: [Producer
-# waits per thread] in swap_pass/testing.py).
+# On the test accelerator both threads queue their work on the device's one default stream; each
+# thread's copies must wait on that thread's own work there.
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("path", ["enable", "decorators"])
 def test_two_models_in_two_threads_exact_and_clean(path, recompute, device):

@@ -2,9 +2,10 @@
 refuses, a copy error, no host buffer, no device memory for the copy back) leaves every tensor of
 the group with its data, and no abort or reset path drops a freed storage's host copy.
 
-See Note: [All-or-nothing transitions] in ``swap_pass/runtime/swap_tensors.py``. The suite runs
-these again under the stream model (``SWAP_PASS_STREAM_MODEL=1``), where the undo paths' waits
-are checked too.
+See Note: [All-or-nothing transitions] in ``swap_pass/runtime/group.py``. Each test of a
+group runs on every device present (``device``): on the test accelerator (in its pass) an undo
+path's missing or misplaced wait reads poison, or is counted as an unordered read, write or free
+and fails the test at teardown (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import torch
 import swap_pass
 from swap_pass import SwapConfig, SwapDataError, SwapTensors, swap_stats
 from swap_pass.runtime.device import register_free_check
-from swap_pass.runtime.freed_guard import is_guarded
+from swap_pass.runtime.freeing import is_guarded
 from swap_pass.runtime.host_pool import host_pool
 from swap_pass.testing import InjectedFailure, inject_failures
 
 
-def _two_storages() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    tensors = [torch.randn(64, 32), torch.randn(128)]
+def _two_storages(device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    tensors = [torch.randn(64, 32, device=device), torch.randn(128, device=device)]
     return tensors, [t.clone() for t in tensors]
 
 
@@ -35,8 +36,8 @@ def config(request) -> SwapConfig:
     return SwapConfig(use_streams=request.param)
 
 
-def test_a_free_that_fails_on_the_second_storage_restores_the_first(config):
-    tensors, expected = _two_storages()
+def test_a_free_that_fails_on_the_second_storage_restores_the_first(config, device):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config, name="layers[3]")
     group.swap_to_host()
     with inject_failures(free=2) as injected, pytest.raises(InjectedFailure) as err:
@@ -49,8 +50,8 @@ def test_a_free_that_fails_on_the_second_storage_restores_the_first(config):
     assert _all_there(tensors, expected)
 
 
-def test_the_group_swaps_normally_after_a_failed_free(config):
-    tensors, expected = _two_storages()
+def test_the_group_swaps_normally_after_a_failed_free(config, device):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config)
     group.swap_to_host()
     with inject_failures(free=1), pytest.raises(InjectedFailure):
@@ -64,8 +65,8 @@ def test_the_group_swaps_normally_after_a_failed_free(config):
 
 
 @pytest.mark.parametrize("kind", ["copy", "host_alloc"])
-def test_a_failure_starting_the_copy_out_leaves_the_group_on_the_device(config, kind):
-    tensors, expected = _two_storages()
+def test_a_failure_starting_the_copy_out_leaves_the_group_on_the_device(config, device, kind):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config)
     outs_before = swap_stats().swap_outs
     with inject_failures(**{kind: 2}) as injected, pytest.raises(InjectedFailure):
@@ -81,8 +82,8 @@ def test_a_failure_starting_the_copy_out_leaves_the_group_on_the_device(config, 
 
 
 @pytest.mark.parametrize("kind", ["allocate", "copy"])
-def test_a_failure_of_the_copy_back_keeps_the_data_on_the_host(config, kind):
-    tensors, expected = _two_storages()
+def test_a_failure_of_the_copy_back_keeps_the_data_on_the_host(config, device, kind):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config)
     group.swap_to_host()
     group.wait_d2h()
@@ -96,8 +97,8 @@ def test_a_failure_of_the_copy_back_keeps_the_data_on_the_host(config, kind):
     assert host_pool().bytes_in_use == 0
 
 
-def test_reset_keeps_a_group_it_cannot_restore_and_restores_it_later(config):
-    tensors, expected = _two_storages()
+def test_reset_keeps_a_group_it_cannot_restore_and_restores_it_later(config, device):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config, name="layers[5]")
     group.swap_to_host()
     group.wait_d2h()
@@ -109,8 +110,8 @@ def test_reset_keeps_a_group_it_cannot_restore_and_restores_it_later(config):
     assert _all_there(tensors, expected) and host_pool().bytes_in_use == 0
 
 
-def test_a_kept_group_restored_by_its_reader_is_forgotten(config):
-    tensors, expected = _two_storages()
+def test_a_kept_group_restored_by_its_reader_is_forgotten(config, device):
+    tensors, expected = _two_storages(device)
     group = SwapTensors(tensors, config=config)
     group.swap_to_host()
     group.wait_d2h()
@@ -129,7 +130,7 @@ def test_inject_failures_rejects_a_call_number_below_one():
 def test_a_storage_its_device_cannot_free_is_found_before_the_swap_and_kept():
     """As torch_npu's private formats: the device's check keeps the storage on the device, the
     group swaps the others, and the free is never attempted."""
-    tensors, expected = _two_storages()
+    tensors, expected = _two_storages(torch.device("cpu"))
     refused = tensors[1].untyped_storage()._cdata
     register_free_check("cpu", lambda t: "private format (test)"
                         if t.untyped_storage()._cdata == refused else None)

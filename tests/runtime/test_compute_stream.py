@@ -1,106 +1,86 @@
 """The compute stream of a swap is fixed when the swap begins, never looked up later.
 
-Under the stream model the side stream is current while the runtime issues a copy, as under a
-device's ``with stream:``, and a finalizer that the cyclic collector runs there sees it as the
-current stream. A wait put on it instead of the swap's compute stream lets a reader see a copy's
-destination before it is written (poison), or a freed block go back to its allocating stream
-while a copy still reads it (a race). See Note: [The compute stream of a swap].
+The runtime issues each side-stream copy inside ``with stream:``, and a finalizer that the cyclic
+collector runs there sees the side stream as the current one; so does code run under a user's
+``with stream:``. A wait put on the current stream instead of the swap's compute stream lets a
+reader see a copy's destination before it is written (poison), or a freed block go back to its
+allocating stream while a copy still reads it. See Note: [The compute stream of a swap].
+
+Run on the test accelerator (marked ``accelerator``) with side-stream copies held until someone
+waits for them; an unordered read, write or free the device counts fails a test at teardown.
 """
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from swap_pass import SwapConfig, SwapTensors, swap_stats
-from swap_pass.testing import stream_model
-
-pytestmark = pytest.mark.no_stream_model  # each test runs its own model
+from swap_pass import SwapConfig, SwapTensors
+from swap_pass.runtime.device import DeviceStreams
+from tests.conftest import on_test_accelerator
 
 STREAMS = SwapConfig(use_streams=True)
+N = 4096
 
 
-def _swap_something_else() -> SwapTensors:
-    """A copy out of another group: the copy inside which the test's finalizer runs."""
-    other = SwapTensors([torch.randn(64)], config=STREAMS)
+@pytest.fixture
+def during_next_copy(monkeypatch):
+    """``during_next_copy(fn)``: run ``fn`` inside the runtime's next side-stream copy, with that
+    side stream current, as a finalizer run by the cyclic collector there would."""
+    pending = []
+    copy = DeviceStreams.copy
+
+    def copy_running_fn(self, stream, dst, src, *args, **kwargs):
+        if pending and stream is not None:
+            with stream:
+                pending.pop()()
+        return copy(self, stream, dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceStreams, "copy", copy_running_fn)
+    return pending.append
+
+
+def _swap_something_else(dev: torch.device) -> SwapTensors:
+    """A copy out of another group: the copy inside which the test's callback runs."""
+    other = SwapTensors([torch.randn(64, device=dev)], config=STREAMS)
     other.swap_to_host()
     return other
 
 
-def test_a_restore_run_inside_a_copy_waits_on_the_swaps_compute_stream():
-    with stream_model(early_probability=0.0) as model:
-        x = torch.randn(256)
-        expected = x.clone()
+@on_test_accelerator
+def test_a_restore_run_inside_a_copy_waits_on_the_swaps_compute_stream(swaptest_held,
+                                                                       during_next_copy):
+    dev = swaptest_held
+    x = torch.arange(float(N), device=dev) * 3
+    expected = x.cpu()
+    group = SwapTensors([x], config=STREAMS)
+    group.swap_to_host()
+    group.wait_d2h()
+    during_next_copy(group.restore)  # as a finalizer run by the collector there
+    other = _swap_something_else(dev)
+    assert group.stat == "device"
+    assert torch.equal((x * 1).cpu(), expected)  # read on the compute stream, right after
+    other.restore()
+
+
+@on_test_accelerator
+def test_waits_go_to_the_stream_current_when_the_swap_began(swaptest_held):
+    """A swap begun under a user's ``with stream:``; every later call on the default stream."""
+    dev = swaptest_held
+    producer = torch.Stream(device=dev)
+    producer.wait_stream(torch.accelerator.current_stream(dev))
+    with producer:
+        x = torch.arange(float(N), device=dev) * 3  # allocated from the producer's pool
+        expected = x.to("cpu")
         group = SwapTensors([x], config=STREAMS)
         group.swap_to_host()
-        group.wait_d2h()
-        model.during_next_copy(group.restore)  # as a finalizer run by the collector there
-        other = _swap_something_else()
-        assert group.stat == "device"
-        assert torch.equal(x, expected)  # read on the compute stream, right after
-        other.restore()
-    assert not model.hazards
-
-
-def test_a_group_collected_inside_a_copy_orders_its_storages_allocating_stream():
-    with stream_model(early_probability=0.0) as model:
-        x = torch.randn(256)
-        group = SwapTensors([x], config=STREAMS)
-        group.swap_to_host()  # the copy out still reads x
-        group.cycle = group  # only a reference cycle holds the group now
-        del group
-        model.during_next_copy(gc.collect)
-        other = _swap_something_else()
-        del x  # its block goes back to the compute stream's pool: after the copy, or a race
-        other.restore()
-    assert not model.hazards  # a race would have raised on leaving the model
-
-
-def test_waits_go_to_the_stream_current_when_the_swap_began():
-    with stream_model(early_probability=0.0) as model:
-        producer = model.new_stream("producer", compute=True)
-        with model.use_stream(producer):
-            x = torch.randn(256)
-            expected = x.clone()
-            group = SwapTensors([x], config=STREAMS)
-            group.swap_to_host()
-        assert group.compute_stream is producer
-        group.wait_d2h()  # called on the default stream: the free is ordered on the producer's
-        assert x.untyped_storage().nbytes() == 0
-        group.swap_to_device()  # the storage is allocated on the producer's stream again
-        group.wait_h2d()
-        with model.use_stream(producer):
-            assert torch.equal(x, expected)
-        del x, group  # its block goes back to the producer's pool: ordered after the copy back
-    assert not model.hazards
-
-
-def test_a_compute_stream_given_to_the_group_is_used():
-    with stream_model(early_probability=0.0) as model:
-        producer = model.new_stream("producer", compute=True)
-        x = torch.randn(256)  # as if made on the producer's stream (MoE dispatch, say)
-        model.allocated(x.untyped_storage(), producer)
-        expected = x.clone()
-        group = SwapTensors([x], config=STREAMS, compute_stream=producer)
-        group.swap_to_host()
-        group.wait_d2h()
-        group.restore()
-        assert group.compute_stream is producer and torch.equal(x, expected)
-    assert not model.hazards
-
-
-def test_nothing_is_swapped_while_the_compute_stream_captures_a_graph():
-    with stream_model(early_probability=0.0) as model:
-        x = torch.randn(256)
-        expected = x.clone()
-        model.compute.capturing = True
-        group = SwapTensors([x], config=STREAMS, name="layers[1]")
-        with pytest.warns(RuntimeWarning, match="capturing a graph|CUDA graph"):
-            group.swap_to_host()
-        group.wait_d2h()
-        assert group.kept_on_device and x.untyped_storage().nbytes() == x.nbytes
-        assert model.copies_queued == 0 and torch.equal(x, expected)
-        group.restore()
-        assert swap_stats().skipped_bytes["stream_capture"] == x.nbytes
+    assert group.compute_stream == producer
+    group.wait_d2h()  # called on the default stream: the free is ordered on the producer's
+    assert x.untyped_storage().nbytes() == 0
+    with producer:
+        later = torch.full((N,), 7.0, device=dev)  # the producer's next allocation
+    group.swap_to_device()  # the storage is allocated on the producer's stream again
+    group.wait_h2d()
+    with producer:
+        assert torch.equal((x * 1).to("cpu"), expected)
+        assert torch.equal(later.to("cpu"), torch.full((N,), 7.0))

@@ -56,10 +56,10 @@ def test_cap_keeps_on_device_with_policy() -> None:
 
 def test_cached_buffers_dropped_before_refusing() -> None:
     pool = host_pool()
-    buf = pool.acquire(600, pin=False, max_host_bytes=1000)
+    buf = pool.take(600, pin=False, max_host_bytes=1000)[0]
     pool.release(buf)
     assert pool.bytes_reserved == 600
-    other = pool.acquire(700, pin=False, max_host_bytes=1000)  # evicts the cached 600
+    other = pool.take(700, pin=False, max_host_bytes=1000)[0]  # evicts the cached 600
     assert pool.bytes_reserved == 700
     pool.release(other)
 
@@ -150,7 +150,7 @@ def test_pinned_blocks_above_the_allocator_limits_are_not_rounded(monkeypatch, s
 
 def _cache(pool, *sizes: int) -> None:
     """Leave one cached (released) pageable buffer of each size in ``pool``."""
-    bufs = [pool.acquire(n, pin=False) for n in sizes]
+    bufs = [pool.take(n, pin=False)[0] for n in sizes]
     for buf in bufs:
         pool.release(buf)
 
@@ -160,9 +160,9 @@ def test_the_cap_evicts_only_what_a_request_needs() -> None:
     pool.clear()
     _cache(pool, 300, 200, 100)
     allocations = swap_pass.swap_stats().host_allocations
-    buf = pool.acquire(500, pin=False, max_host_bytes=1000)  # 100 over: the 100-byte one goes
+    buf = pool.take(500, pin=False, max_host_bytes=1000)[0]  # 100 over: the 100-byte one goes
     assert pool.bytes_reserved == 1000 and pool.bytes_in_use == 500
-    kept = [pool.acquire(n, pin=False, max_host_bytes=1000) for n in (300, 200)]  # still cached
+    kept = [pool.take(n, pin=False, max_host_bytes=1000)[0] for n in (300, 200)]  # still cached
     assert swap_pass.swap_stats().host_allocations == allocations + 1
     for b in [buf, *kept]:
         pool.release(b)
@@ -172,14 +172,14 @@ def test_the_cap_evicts_one_buffer_if_one_will_do_else_the_largest_first() -> No
     pool = host_pool()
     pool.clear()
     _cache(pool, 300, 200, 100)
-    buf = pool.acquire(850, pin=False, max_host_bytes=1200)  # 250 over: the 300 frees it alone
+    buf = pool.take(850, pin=False, max_host_bytes=1200)[0]  # 250 over: the 300 frees it alone
     assert pool.bytes_reserved == 1150
     pool.release(buf)
     pool.clear()
     _cache(pool, 150, 150, 100)
-    buf = pool.acquire(700, pin=False, max_host_bytes=800)  # 300 over: both 150s, not the 100
+    buf = pool.take(700, pin=False, max_host_bytes=800)[0]  # 300 over: both 150s, not the 100
     assert pool.bytes_reserved == 800
-    again = pool.acquire(100, pin=False, max_host_bytes=800)
+    again = pool.take(100, pin=False, max_host_bytes=800)[0]
     assert pool.bytes_reserved == 800  # the 100-byte buffer had stayed cached
     pool.release(buf)
     pool.release(again)
@@ -188,10 +188,10 @@ def test_the_cap_evicts_one_buffer_if_one_will_do_else_the_largest_first() -> No
 def test_a_request_the_cap_refuses_evicts_nothing() -> None:
     pool = host_pool()
     pool.clear()
-    held = pool.acquire(600, pin=False)
+    held = pool.take(600, pin=False)[0]
     _cache(pool, 300)
     with pytest.raises(HostMemoryError, match="500 bytes needed, 400 bytes available"):
-        pool.acquire(500, pin=False, max_host_bytes=1000)
+        pool.take(500, pin=False, max_host_bytes=1000)[0]
     assert pool.bytes_reserved == 900  # the cached 300 bytes stayed for a request that fits
     pool.release(held)
 
@@ -203,12 +203,12 @@ def test_evicted_buffers_die_outside_the_pool_lock(how) -> None:
     pool = host_pool()
     pool.clear()
     died_locked = []
-    buf = pool.acquire(300, pin=False)
+    buf = pool.take(300, pin=False)[0]
     weakref.finalize(buf, lambda: died_locked.append(pool._lock.locked()))
     pool.release(buf)
     del buf
     if how == "cap":
-        pool.release(pool.acquire(800, pin=False, max_host_bytes=1000))
+        pool.release(pool.take(800, pin=False, max_host_bytes=1000)[0])
     else:
         pool.clear()
     assert died_locked == [False]
@@ -224,12 +224,12 @@ def test_pinned_buffers_count_their_block_and_reset_returns_them() -> None:
     pool.clear()
     pinned_before = _pinned_by_the_allocator()
     nbytes = 3000 * 4096 * 2  # a 3000-token layer input: a 32 MiB pinned block
-    buf = pool.acquire(nbytes, pin=True)
+    buf = pool.take(nbytes, pin=True)[0]
     assert buf.is_pinned() and buf.nbytes == nbytes
     stats = swap_pass.swap_stats()
     assert stats.host_bytes_in_use == stats.host_bytes_reserved == 32 * MIB
     with pytest.raises(HostMemoryError, match=f"{32 * MIB} bytes needed"):
-        pool.acquire(nbytes, pin=True, max_host_bytes=48 * MIB)  # 64 MiB pinned: over the cap
+        pool.take(nbytes, pin=True, max_host_bytes=48 * MIB)[0]  # 64 MiB pinned: over the cap
     pool.release(buf)
     del buf
     swap_pass.reset()
@@ -253,7 +253,7 @@ def _pinned_by_the_allocator() -> int | None:
 def _one_step(pool, nbytes: int, buffers: int = 4) -> list[int]:
     """Take ``buffers`` buffers of ``nbytes`` at once, check their bytes, give them back; return
     their data pointers."""
-    bufs = [pool.acquire(nbytes, pin=False) for _ in range(buffers)]
+    bufs = [pool.take(nbytes, pin=False)[0] for _ in range(buffers)]
     for i, buf in enumerate(bufs):
         assert buf.dtype == torch.uint8 and buf.shape == (nbytes,)
         buf.fill_(i)
@@ -318,8 +318,8 @@ def test_the_bound_follows_reused_buffers_after_a_clear() -> None:
     _one_step(pool, 4000)  # peak in use: 16000 bytes
     pool.clear()
     for nbytes in (1000, 2000):  # each alone: cached, the mark at 2000
-        pool.release(pool.acquire(nbytes, pin=False))
-    both = [pool.acquire(nbytes, pin=False) for nbytes in (1000, 2000)]  # reused together
+        pool.release(pool.take(nbytes, pin=False)[0])
+    both = [pool.take(nbytes, pin=False)[0] for nbytes in (1000, 2000)]  # reused together
     assert pool.gauges()["host_allocations"] == 6  # four, then two: none fresh just now
     assert pool.bound_bytes == BOUND_FACTOR * 3000
     for buf in both:

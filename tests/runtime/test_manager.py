@@ -12,6 +12,13 @@ from swap_pass import SwapLayerInputManager, SwapTensors
 from swap_pass.runtime.chain import LayerChain, chain_of_tag
 
 
+def _free_copied(manager: SwapLayerInputManager) -> None:
+    """What the protocol does one layer later: wait for each copy out and free the storage."""
+    for group in manager.batch_stack:
+        if group.stat == "d2h":
+            group.wait_d2h()
+
+
 def test_registration_order_and_tags() -> None:
     a = [SwapLayerInputManager("enc") for _ in range(3)]
     b = SwapLayerInputManager("dec")
@@ -28,11 +35,11 @@ def test_fifo_with_three_micro_batches(device) -> None:
     manager = SwapLayerInputManager()
     inputs = [torch.full((16,), float(mb), device=device) for mb in range(3)]
     groups = [manager.swap_out([x]) for x in inputs]
-    manager.free_swapped_out()
+    _free_copied(manager)
     assert [g.stat for g in manager.batch_stack] == ["host"] * 3
     assert all(x.untyped_storage().nbytes() == 0 for x in inputs)
     for mb in range(3):  # backwards arrive in forward order; each gets its own micro-batch
-        manager.prefetch()
+        manager.batch_stack[0].swap_to_device()
         assert manager.batch_stack[0].stat == "h2d"
         group = manager.wait_swap_in()
         assert group is groups[mb]
@@ -50,7 +57,7 @@ def test_wait_swap_in_from_any_state(device) -> None:
     manager.wait_swap_in()
     assert torch.equal(x, ref)
     manager.swap_out([x])
-    manager.free_swapped_out()  # "host", never prefetched
+    _free_copied(manager)  # "host", never prefetched
     manager.wait_swap_in()
     assert torch.equal(x, ref)
 
@@ -59,7 +66,7 @@ def test_explicit_group_removed_by_identity(device) -> None:
     manager = SwapLayerInputManager()
     xs = [torch.randn(4, device=device) for _ in range(2)]
     g0, g1 = (manager.swap_out([x]) for x in xs)
-    manager.free_swapped_out()
+    _free_copied(manager)
     manager.wait_swap_in(g1)
     assert manager.batch_stack == [g0]
 
@@ -68,7 +75,7 @@ def test_reset_leaves_zero_host_bytes(device) -> None:
     managers = [SwapLayerInputManager() for _ in range(3)]
     for m in managers:
         m.swap_out([torch.randn(64, device=device)])
-        m.free_swapped_out()
+        _free_copied(m)
     assert swap_pass.swap_stats().host_bytes_in_use == 3 * 256
     swap_pass.reset()
     s = swap_pass.swap_stats()
@@ -87,7 +94,7 @@ def test_empty_group_is_harmless(device) -> None:
     manager = SwapLayerInputManager()
     group = manager.swap_out([torch.nn.Parameter(torch.randn(3, device=device))])
     assert group.is_empty
-    manager.free_swapped_out()
+    _free_copied(manager)
     assert manager.wait_swap_in() is group
     with pytest.raises(swap_pass.SwapStateError):
         group.wait_d2h()

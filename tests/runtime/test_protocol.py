@@ -1,4 +1,4 @@
-"""The layer-input protocol's steps, as every way in calls them (swap_pass/runtime/protocol.py)."""
+"""The layer-input protocol's steps, as every way in calls them (swap_pass/runtime/chain.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from swap_pass import SwapConfig, SwapTensors
-from swap_pass.runtime.ownership import autograd_mark
-from swap_pass.runtime.protocol import free_if_unheld, prefetch_ahead, restore_for_backward
+from swap_pass.runtime.chain import free_if_unheld, prefetch_ahead, restore_for_backward
+from swap_pass.runtime.freeing import autograd_mark
 
 
 def _copying_out(x: torch.Tensor) -> SwapTensors:

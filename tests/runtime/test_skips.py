@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import swap_pass
-from swap_pass.runtime.skips import SkipReason, record_skip
+from swap_pass.runtime.stats import SkipReason, record_skip
 
 
 @pytest.fixture(autouse=True)

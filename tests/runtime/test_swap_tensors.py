@@ -9,7 +9,7 @@ import swap_pass
 from swap_pass import SwapConfig, SwapStateError, SwapTensors, is_valid_for_swap
 from swap_pass.runtime import host_pool
 from swap_pass.runtime.device import is_async_device
-from swap_pass.runtime.freed_guard import _guards, is_guarded
+from swap_pass.runtime.freeing import _guards, is_guarded
 from swap_pass.runtime.host_pool import block_bytes
 
 STATES = ["device", "d2h", "host", "h2d"]
@@ -353,7 +353,7 @@ def test_dropped_group_gives_host_bytes_back(state: str, device) -> None:
 
 
 def test_dense_tensor_copies_tensor_to_tensor_without_autograd_or_version_bumps(device) -> None:
-    # See Note: [Dense copies] in swap_pass/runtime/swap_tensors.py.
+    # See Note: [Dense copies] in swap_pass/runtime/group.py.
     leaf = torch.randn(4, 6, 8, device=device, requires_grad=True)
     t = leaf.tanh()  # tanh saves its output: autograd checks t's version when it unpacks it
     ref, version = t.detach().clone(), t._version
@@ -382,7 +382,6 @@ def test_views_still_copy_whole_storages(device) -> None:
     assert group._entries[0].host.shape == (400,) and group._entries[0].host.dtype == torch.uint8
 
 
-@pytest.mark.no_stream_model  # the model queues copies itself, outside DeviceStreams.copy
 def test_runtime_copies_are_named_in_the_profiler(device) -> None:
     from torch.profiler import ProfilerActivity, profile
 

@@ -83,7 +83,7 @@ class SavedSpy:
     def __enter__(self) -> SavedSpy:
         import weakref
 
-        from swap_pass.smart.saved_local import is_async_collective, is_dtensor, local_of
+        from swap_pass.smart.saved import is_async_collective, is_dtensor, local_of
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
@@ -218,7 +218,7 @@ def _train(run: str, rank: int, mesh, smart_budget: float | None, setup=setup_of
 def _train_step(model: nn.Module, batch: tuple, forward_backward, opt, smart, out: dict) -> None:
     """One optimizer step on ``batch``; what it did appended to ``out``."""
     import swap_pass
-    from swap_pass.smart.bench import ResidentSavedBytes
+    from swap_pass.tools.smart_bench import ResidentSavedBytes
     batch_before = [_local(t) for t in batch]
     before = swap_pass.swap_stats().swapped_out_bytes
     with ResidentSavedBytes(model) as counter:
@@ -265,7 +265,7 @@ def _pipeline(run: str, rank: int) -> tuple:
     (4 of 8 layers, the first stage embeds, the last projects) under ``ScheduleGPipe`` or
     ``Schedule1F1B``, ``MICROBATCHES`` micro-batches per step: ``(stage module, batch, None,
     forward_backward)``, the schedule running every micro-batch's forward and backward."""
-    from swap_pass.models import LlamaDecoderLayer, make_batch
+    from swap_pass.tools.models import LlamaDecoderLayer, make_batch
     from tests.eager import pp_worker as pp
     cfg, per = pp._cfg(), pp.NUM_LAYERS // 2
     module = pp.Stage(cfg, rank * per, (rank + 1) * per, LlamaDecoderLayer, recompute=False)
@@ -367,7 +367,6 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
     from torch.distributed.device_mesh import init_device_mesh
 
     import swap_pass
-    from tests.distributed.dist_worker import maybe_stream_model
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -379,11 +378,8 @@ def run(rank: int, world: int, port: int, outdir: str, runs: list[str] | None = 
             swap_pass.reset()
             ref = _train(name, rank, mesh, None, setup)
             swap_pass.reset()
-            with maybe_stream_model() as model:  # SWAP_PASS_STREAM_MODEL=1 reaches the ranks
-                got = _train(name, rank, mesh, budget, setup)
+            got = _train(name, rank, mesh, budget, setup)
             results[name] = _compare(ref, got)
-            if model is not None:
-                results[name]["hazards"] = [str(h) for h in model.hazards]
     except Exception as e:  # reported to the test, which fails with it
         import traceback
         results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

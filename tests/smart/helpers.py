@@ -7,8 +7,8 @@ import copy
 import torch
 
 from swap_pass import SmartSwap
-from swap_pass.models import LlamaConfig, LlamaStyleModel, make_batch
-from swap_pass.smart.bench import ResidentSavedBytes
+from swap_pass.tools.models import LlamaConfig, LlamaStyleModel, make_batch
+from swap_pass.tools.smart_bench import ResidentSavedBytes
 
 # Reads storage sizes through weak references; never SmartSwap's bookkeeping (see its docstring).
 SavedBytesCounter = ResidentSavedBytes

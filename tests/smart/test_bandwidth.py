@@ -1,8 +1,8 @@
 """How copies and the budget probe are timed: host time on CPU, where copies are synchronous;
 timing events on the work's stream on an accelerator, where a call only enqueues the work.
 
-See Note: [Timing on the device] in ``swap_pass/cost_probes.py`` and Note: [One timed copy a
-step] in ``swap_pass/smart/bandwidth.py``.
+See Note: [Timing on the device] in ``swap_pass/cost/probes.py`` and Note: [One timed copy a
+step] in ``swap_pass/smart/executor.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from swap_pass import SmartSwap, SwapTensors
-from swap_pass.cost_probes import Timing, measure_copy_bandwidth, time_on_device, timing_for
-from swap_pass.smart.bandwidth import CopyClock
+from swap_pass.cost.probes import Timing, measure_copy_bandwidth, time_on_device, timing_for
+from swap_pass.smart.executor import CopyClock
 from tests.conftest import ACCELERATOR, HAS_ACCELERATOR, NO_ACCELERATOR_REASON
 from tests.smart.helpers import Pair
 

@@ -16,9 +16,11 @@ import torch
 
 import swap_pass
 from swap_pass import SmartSwap
-from swap_pass.models import make_batch
 from swap_pass.smart import SmartSwapConfig, Stage
-from swap_pass.smart.bench import length_schedule, step_kind
+from swap_pass.testing import accelerator as device_knobs
+from swap_pass.tools.models import make_batch
+from swap_pass.tools.smart_bench import length_schedule, step_kind
+from tests.conftest import on_test_accelerator
 
 from .helpers import BATCH, Pair, SavedBytesCounter, no_hooks, tiny_model, unswapped_peak
 
@@ -216,32 +218,43 @@ def test_an_unreachable_budget_warns_once_with_the_best_reachable_peak():
     assert "best reachable peak" in str(ours[0].message)
 
 
-def _sampling_hooks(policy, sm, samples: list):
-    """Saved-tensor hooks over SmartSwap's: at each pack, (its logical layer, d2h copies queued)."""
+def _open_copies_out() -> int:
+    """Copies out queued on the test accelerator that nobody waited for yet (with copies held
+    until a wait, those not run yet)."""
+    return sum(1 for w in device_knobs.copy_windows()
+               if w.direction == "d2h" and w.closed_by == "open")
+
+
+def _sampling_hooks(policy, samples: list):
+    """Saved-tensor hooks over SmartSwap's: at each pack, (its logical layer, copies out still
+    queued)."""
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def pack(t):
         group = policy.entries[min(len(samples), len(policy.entries) - 1)].group
-        samples.append((group, sm.d2h.issued - sm.d2h.done))
+        samples.append((group, _open_copies_out()))
         return outer[0](t)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, outer[1])
 
 
-@pytest.mark.no_stream_model
-def test_under_the_stream_model_copies_stay_queued_a_whole_logical_layer_and_grads_stay_exact():
-    from swap_pass.testing import stream_model
-
-    pair = Pair()
+@on_test_accelerator
+def test_copies_out_stay_queued_a_whole_logical_layer_and_grads_stay_exact(swaptest_held):
+    """On the test accelerator, with copies held until someone waits for them: each logical
+    layer's copies out are still queued all through the next one."""
+    pair = Pair(swaptest_held)
     samples: list[tuple[int, int]] = []
-    with stream_model(seed=0, early_probability=0.0) as sm:  # copies run only when waited for
-        with SmartSwap(pair.model, memory_budget=0.5) as smart:
-            for s in range(3):
-                pair.step(smart, seed=s)  # bitwise equal to the twin, under the model
-            policy = smart.policy
-            with _sampling_hooks(policy, sm, samples):
+    with SmartSwap(pair.model, memory_budget=0.5) as smart:
+        for s in range(3):
+            pair.step(smart, seed=s)  # bitwise equal to the twin
+        policy = smart.policy
+        device_knobs.record_copy_windows(True)
+        try:
+            with _sampling_hooks(policy, samples):
                 pair.step(smart, seed=3)
-            report = smart.last_report
+        finally:
+            device_knobs.record_copy_windows(False)
+        report = smart.last_report
     assert policy.overlap_groups == 2 and not report.fell_back
     waits = report.d2h_waits
     assert len(waits) == report.swapped_storages > 0
@@ -250,4 +263,3 @@ def test_under_the_stream_model_copies_stay_queued_a_whole_logical_layer_and_gra
         started = sum(1 for s, _ in waits if s == g)
         assert min(n for grp, n in samples if grp == g + 1) >= started, (g, samples)
     assert report.sync_restores == 0 and policy.prefetch_depth >= 1  # every copy back prefetched
-    assert not sm.hazards

@@ -16,7 +16,7 @@ import copy
 import torch
 
 from swap_pass import SmartSwap
-from swap_pass.models import make_batch
+from swap_pass.tools.models import make_batch
 
 from .helpers import BATCH, SavedBytesCounter, no_hooks, tiny_model
 

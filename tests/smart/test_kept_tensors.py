@@ -3,7 +3,7 @@
 Sparse (COO, CSR), nested (jagged) and other tensor subclasses have no one plain storage to free
 and restore: SmartSwap leaves them to autograd, counts them by reason in ``swap_stats()``, and
 still moves the plain activations of the same step. An ``AsyncCollectiveTensor`` is waited for
-and moves through its result (Note: [Saved AsyncCollectiveTensors] in saved_local.py). Each case
+and moves through its result (Note: [Saved AsyncCollectiveTensors] in saved.py). Each case
 is compared bitwise to the same model without SmartSwap over several steps (warmup, profiling
 and planned ones).
 """
@@ -193,7 +193,7 @@ def test_a_dense_activation_next_to_a_sparse_one_is_really_freed_after_forward()
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed here")
 def test_saved_async_collective_tensors_move_through_their_waited_result():
-    from swap_pass.smart.saved_local import is_async_collective
+    from swap_pass.smart.saved import is_async_collective
     x = torch.randn(64, 64)
     _run(CollectiveMix(), (x,), [])
     stats = swap_pass.swap_stats()

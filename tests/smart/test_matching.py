@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swap_pass.smart.executor import OnlineMatcher
+from swap_pass.smart.follower import OnlineMatcher
 from swap_pass.smart.profiler import sequence_distance
 
 PLAN = [10, 11, 12, 13, 14, 15, 16, 17]
@@ -50,7 +50,7 @@ def test_lightweight_profiler_and_smartswap_compute_the_same_keys():
     import torch
 
     from swap_pass import SmartSwap
-    from swap_pass.smart import LightweightProfiler
+    from swap_pass.tools.smart_bench import LightweightProfiler
 
     from .helpers import tiny_model
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from swap_pass import SmartSwap
-from swap_pass.models import make_batch
 from swap_pass.smart.policy import (
     candidate_list,
     gen_policy,
@@ -13,6 +12,7 @@ from swap_pass.smart.policy import (
     prefetch_ticks,
     replay_peak,
 )
+from swap_pass.tools.models import make_batch
 
 from .helpers import tiny_model
 

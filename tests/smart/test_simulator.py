@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swap_pass.smart.simulator import simulate
+from swap_pass.smart.policy import simulate
 
 GB = 1e9
 

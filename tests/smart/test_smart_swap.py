@@ -12,8 +12,8 @@ import torch
 
 import swap_pass
 from swap_pass import SmartSwap, SwapConfig
-from swap_pass.models import make_batch
 from swap_pass.smart import SmartSwapConfig, Stage
+from swap_pass.tools.models import make_batch
 
 from .helpers import BATCH, SEQ, Pair, SavedBytesCounter, no_hooks, tiny_model
 from .helpers import unswapped_peak as _unswapped_peak

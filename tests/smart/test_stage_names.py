@@ -1,9 +1,7 @@
-"""SmartSwap's executor runs by the one stage enum: each step's report names the Stage it ran in;
-the former executor-mode names still resolve, to the stages, with a DeprecationWarning."""
+"""SmartSwap's executor runs by the one stage enum: each step's report names the Stage it ran
+in."""
 
 from __future__ import annotations
-
-import pytest
 
 from swap_pass import SmartSwap
 from swap_pass.smart import Stage
@@ -28,15 +26,3 @@ def test_each_step_report_names_the_stage_it_ran_in():
     assert reports[2].matched > 0 and reports[0].matched == 0  # only stable followed a plan
     assert "stage='stable'" in repr(reports[2])
 
-
-def test_the_former_exec_mode_names_are_deprecated_aliases_of_the_stages():
-    with pytest.warns(DeprecationWarning, match="ExecMode is deprecated"):
-        from swap_pass.smart.executor import ExecMode
-    assert (ExecMode.CONSERVATIVE, ExecMode.DETAILED, ExecMode.PLANNED) == (
-        Stage.WARMUP, Stage.GEN_POLICY, Stage.STABLE)
-    with pytest.warns(DeprecationWarning, match="ExecMode is deprecated"):
-        from swap_pass.smart.reports import ExecMode as from_reports
-    assert from_reports is ExecMode
-    report = _stages_of_three_steps()[-1]
-    with pytest.warns(DeprecationWarning, match="StepReport.stage"):
-        assert report.mode is report.stage is ExecMode.PLANNED

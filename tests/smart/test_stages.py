@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swap_pass.smart.stages import Stage, StageController
+from swap_pass.smart.reports import Stage, StageController
 
 
 def test_warmup_then_gen_policy_then_stable():
