@@ -36,18 +36,27 @@ from swap_pass.runtime.errors import HostMemoryError
 from swap_pass.runtime.freeing import holders
 
 __all__ = ["BOUND_FACTOR", "HostBufferPool", "available_host_bytes", "block_bytes", "host_pool",
-           "preflight", "return_pinned_memory"]
+           "meminfo_bytes", "preflight", "return_pinned_memory"]
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` field (``"MemAvailable"``, ``"MemTotal"``) in bytes; None where the
+    file or the field is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def available_host_bytes() -> int:
     """Host memory the OS reports as available (``MemAvailable``), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    found = meminfo_bytes("MemAvailable")
+    if found is not None:
+        return found
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

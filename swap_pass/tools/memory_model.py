@@ -52,22 +52,12 @@ from collections.abc import Sequence
 
 import torch
 
-from swap_pass.cost.model import (
-    BACKWARD_PER_FORWARD,
-    DTYPES,
-    FORWARD_SHARE,
-    compute_seconds,
-    copy_seconds,
-    itemsize,
-    tensor_bytes,
-)
+from swap_pass.cost.model import BACKWARD_PER_FORWARD, DTYPES, itemsize
 
-__all__ = ["BACKWARD_PER_FORWARD", "DTYPES", "FORWARD_SHARE", "METHOD_KEYS", "OPTIMIZERS",
-           "SWAP_RESIDENT_INPUTS", "TRAINING_DTYPES", "MethodMemory", "ModelShape",
-           "compute_seconds", "copy_seconds", "itemsize", "layer_backward_seconds",
-           "layer_forward_flops", "layer_input_bytes", "method_memory", "param_count",
-           "resident_layer_inputs", "saved_bytes", "state_bytes", "swap_host_bytes",
-           "tensor_bytes"]
+__all__ = ["METHOD_KEYS", "OPTIMIZERS", "SWAP_RESIDENT_INPUTS", "TRAINING_DTYPES", "MethodMemory",
+           "ModelShape", "layer_backward_seconds", "layer_forward_flops", "layer_input_bytes",
+           "method_memory", "param_count", "resident_layer_inputs", "saved_bytes", "state_bytes",
+           "swap_host_bytes"]
 
 # The dtypes :class:`swap_pass.tools.models.LlamaStyleModel` trains in: the whole-step model's.
 TRAINING_DTYPES = ("fp32", "bf16", "fp16")

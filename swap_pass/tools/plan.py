@@ -29,13 +29,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from swap_pass.cost.model import compute_seconds, copy_seconds
 from swap_pass.smart.policy import simulate as smart_simulate
 from swap_pass.tools.memory_model import (
     ModelShape,
     check_counts,
     check_dtype,
-    compute_seconds,
-    copy_seconds,
     layer_backward_seconds,
     layer_forward_flops,
     resident_layer_inputs,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from swap_pass import SkipReason, SmartSwap, SmartSwapConfig, is_valid_for_swap
+from swap_pass.runtime.freeing import in_backward
 from swap_pass.smart import Stage
 from swap_pass.smart.profiler import FeatureTracker, now, state_storage_ptrs
 from swap_pass.smart.saved import local_of
@@ -120,9 +121,8 @@ class ResidentSavedBytes:
         def counted_pack(t):
             packed = _Packed(None)
             local = local_of(t)  # a DTensor's local tensor; sparse, nested: not counted
-            in_backward = torch._C._current_graph_task_id() != -1
             # no parameter views, nothing saved by a recompute inside backward
-            if not in_backward and type(local) is not SkipReason and is_valid_for_swap(local):
+            if not in_backward() and type(local) is not SkipReason and is_valid_for_swap(local):
                 storage = local.untyped_storage()
                 if storage.data_ptr() not in self.state:
                     self.storages[storage._cdata] = weakref.ref(storage)

@@ -8,11 +8,10 @@ import pathlib
 import pytest
 import torch
 
+from swap_pass.cost.model import DTYPES, itemsize
 from swap_pass.tools.memory_model import (
-    DTYPES,
     SWAP_RESIDENT_INPUTS,
     ModelShape,
-    itemsize,
     method_memory,
     resident_layer_inputs,
 )

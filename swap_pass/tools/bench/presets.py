@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from swap_pass.tools.memory_model import DTYPES, layer_input_bytes
+from swap_pass.cost.model import DTYPES
+from swap_pass.tools.memory_model import layer_input_bytes
 from swap_pass.tools.models import LlamaConfig
 
 __all__ = ["PRESETS", "BenchPreset", "get_preset"]

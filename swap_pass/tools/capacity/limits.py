@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from swap_pass.runtime.host_pool import available_host_bytes
+from swap_pass.runtime.host_pool import available_host_bytes, meminfo_bytes
 
 __all__ = ["available_host_bytes", "device_memory_cap", "device_total_bytes", "parse_bytes"]
 
@@ -43,21 +43,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def _meminfo(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def device_total_bytes(device: torch.device) -> int:
     """The device's memory; on CPU the machine's (``MemTotal``)."""
     if device.type == "cpu":
-        return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     module = torch.get_device_module(device.type)
     index = device.index if device.index is not None else torch.accelerator.current_device_index()
     return module.get_device_properties(index).total_memory
