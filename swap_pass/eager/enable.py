@@ -45,8 +45,7 @@ __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks
            "kept_blocks", "take_over"]
 
 
-# --- HF transformers' ``activation_checkpointing_enable(offload=True)``, taken over by swap_pass
-# ---
+# --- Offloading checkpoints swap_pass takes over: HF transformers' and torch's OffloadWrapper ---
 # Note: [Taking over HF's offload]
 #     With ``offload=True`` HF gives every checkpointing module a ``_gradient_checkpointing_func``
 #     that runs ``torch.utils.checkpoint.checkpoint`` inside ``save_on_cpu(pin_memory=True)``: the
@@ -58,6 +57,13 @@ __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks
 #     block HF's function back. Blocks swap_pass leaves alone (``module_filter_fn``) keep HF's
 #     offload; so does the last block's checkpoint input, which swap_pass keeps on the device (its
 #     backward runs first). Gradients are bitwise the same: both move the same bytes and back.
+#
+#     torch's ``offload_wrapper(checkpoint_wrapper(layer))`` (accelerate's FSDP2
+#     ``activation_checkpointing_offload``) does the same with a module: its ``forward`` runs the
+#     checkpointed layer inside ``save_on_cpu(pin_memory=True)``. An enabled block that is such an
+#     ``OffloadWrapper`` gets an instance ``forward`` that calls the checkpointed layer directly
+#     (the swap wrapper wraps that one); ``handle.remove()`` deletes it, and the wrapper's own
+#     ``forward`` offloads again. The module tree, and so every parameter's name, is unchanged.
 
 
 _ATTR = "_gradient_checkpointing_func"
@@ -73,15 +79,43 @@ def _offloading(fn: object) -> functools.partial | None:
     return fn if code is not None and "save_on_cpu" in code.co_names else None
 
 
+class _WithoutSaveOnCpu:
+    """An ``OffloadWrapper``'s instance ``forward`` while swap_pass serves it: the checkpointed
+    layer, called without ``save_on_cpu`` (Note: [Taking over HF's offload])."""
+
+    def __init__(self, wrapper: nn.Module) -> None:
+        self.wrapper = wrapper
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def _is_offload_wrapper(block: nn.Module) -> bool:
+    wrapper_cls = _torch_offload_wrapper()
+    return wrapper_cls is not None and isinstance(block, wrapper_cls)
+
+
+def _torch_offload_wrapper() -> type | None:
+    """torch's ``OffloadWrapper``, or None where torch.distributed is not built."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
+    except ImportError:
+        return None
+    return OffloadWrapper
+
+
 def take_over(block: nn.Module) -> bool:
-    """Give ``block`` HF's plain checkpoint in place of its offloading one (Note: [Taking over
-    HF's offload]); whether it had one."""
+    """Give ``block`` a checkpoint without ``save_on_cpu`` in place of HF's offloading one or
+    torch's ``OffloadWrapper`` (Note: [Taking over HF's offload]); whether it had one."""
     fn = _offloading(block.__dict__.get(_ATTR))
-    if fn is None:
-        return False
-    object.__setattr__(block, _SAVED, fn)
-    object.__setattr__(block, _ATTR, functools.partial(checkpoint, *fn.args, **fn.keywords))
-    return True
+    if fn is not None:
+        object.__setattr__(block, _SAVED, fn)
+        object.__setattr__(block, _ATTR, functools.partial(checkpoint, *fn.args, **fn.keywords))
+        return True
+    if _is_offload_wrapper(block) and "forward" not in block.__dict__:
+        object.__setattr__(block, "forward", _WithoutSaveOnCpu(block))
+        return True
+    return False
 
 
 def give_back(block: nn.Module) -> None:
@@ -89,6 +123,8 @@ def give_back(block: nn.Module) -> None:
     fn = block.__dict__.pop(_SAVED, None)
     if fn is not None:
         object.__setattr__(block, _ATTR, fn)
+    if isinstance(block.__dict__.get("forward"), _WithoutSaveOnCpu):
+        del block.__dict__["forward"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,11 +218,11 @@ class SwapLayerInputHandle(SwapHandle):
         so that :meth:`_undo` reverts exactly what happened)."""
         self.managers.append(manager)
         self.layers.append(layer)
+        take_over(layer)  # Note: [Taking over HF's offload]; first: it may set the forward
         attr = _forward_attribute(layer)
         inner = layer.__dict__.get(attr)
         object.__setattr__(layer, attr, _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
-        take_over(layer)  # Note: [Taking over HF's offload]
 
     def _undo(self) -> None:
         """Revert every block patched so far and drop the managers (a failed enable)."""
@@ -335,9 +371,11 @@ def enable_swap_layer_input(model: nn.Module, *, layers: Iterable[nn.Module] | N
             its name in ``model``; blocks it returns False for run unchanged and keep their
             input. Default: ``None`` (every block).
 
-    A model set up with HF's ``activation_checkpointing_enable(offload=True)`` has its
-    synchronous ``save_on_cpu`` replaced by this swap on the enabled blocks, until ``remove()``
-    (Note: [Taking over HF's offload] in ``swap_pass/eager/enable.py``).
+    A model set up with HF's ``activation_checkpointing_enable(offload=True)``, or whose blocks
+    are torch's ``offload_wrapper(checkpoint_wrapper(block))`` (accelerate's FSDP2
+    ``activation_checkpointing_offload``), has its synchronous ``save_on_cpu`` replaced by this
+    swap on the enabled blocks, until ``remove()`` (Note: [Taking over HF's offload] in
+    ``swap_pass/eager/enable.py``).
 
     Returns:
         A handle; ``handle.remove()`` (or leaving ``with handle:``) restores the model exactly.

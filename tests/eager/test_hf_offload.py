@@ -103,3 +103,54 @@ def test_hf_trainer_with_activation_checkpointing_and_one_line_of_swap_pass(tmp_
     stats = swap_pass.swap_stats()
     assert stats.swapped_out_bytes == 2 * (L - 1) * (2 * 8 * 32 * 4)  # two steps
     assert stats.host_bytes_in_use == 0
+
+
+def _wrapped(wrap):
+    """An HF Llama whose decoder layers are ``wrap(checkpoint_wrapper(layer))``, as accelerate's
+    FSDP2 activation checkpointing builds them (transformers' own checkpointing off)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _hf("llama")
+    model.config.use_cache = False  # a cache filled in forward would grow again in recompute
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = wrap(checkpoint_wrapper(layer, preserve_rng_state=False))
+    return model
+
+
+def _unwrapped_names(step):
+    """A step's loss and gradients, the wrappers' ``_checkpoint_wrapped_module.`` left out of the
+    names (the offloading model has one wrapper more)."""
+    loss, grads = step
+    return loss, {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads.items()}
+
+
+def test_torch_offload_wrapper_is_replaced_by_the_swap_exactly(device):
+    """accelerate's ``activation_checkpointing_offload``: ``offload_wrapper(checkpoint_wrapper(
+    layer))`` per layer. Enabled, the layer input is swapped instead of ``save_on_cpu``'d; the
+    gradients equal those of the same layers checkpointed without offload."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        OffloadWrapper,
+        offload_wrapper,
+    )
+
+    ref = _wrapped(lambda m: m).to(device)
+    model = _wrapped(offload_wrapper).to(device)
+    model.load_state_dict(ref.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    expected = _hf_step(ref, ids)
+    handle = swap_pass.enable_swap_layer_input(model)
+    assert all(isinstance(layer, OffloadWrapper) for layer in handle.layers)
+    hooks_seen = []  # the saved-tensor hooks each checkpointed layer runs under: save_on_cpu's?
+    top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    for layer in handle.layers:
+        layer._checkpoint_wrapped_module.register_forward_pre_hook(
+            lambda *_: hooks_seen.append(top_hooks(False)))
+    assert_exact(_unwrapped_names(expected),
+                 _unwrapped_names(_hf_step_freeing(model, handle.layers, ids)))
+    assert hooks_seen == [None] * L  # no save_on_cpu around them
+    assert swap_pass.swap_stats().swapped_out_bytes == (L - 1) * 2 * 8 * 32 * 4
+    assert_clean()
+    handle.remove()
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
