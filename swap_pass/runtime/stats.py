@@ -50,6 +50,9 @@ class SkipReason(str, enum.Enum):
         OFFLOAD_FALLBACK: A ``PREFER_CPU_OFFLOAD`` tag that could not be honoured (an op that
             returns no tensor, or the backend's saved value is not the tagged node's output):
             the tensor stays saved on the device.
+        HANDED_BACK: A step of a fine-tuning tool's activation offloading (TRL, torchtune) left to
+            the tool's own hooks: the model's layers are not checkpointed or not found
+            (``swap_pass.integrations.offload_flags``). ``skips`` counts the steps; no bytes.
     """
 
     USER_DATA = "user_data"
@@ -66,6 +69,7 @@ class SkipReason(str, enum.Enum):
     NO_SWAP = "no_swap"
     MODULE_FILTER = "module_filter"
     OFFLOAD_FALLBACK = "offload_fallback"
+    HANDED_BACK = "handed_back"
 
 
 # Reasons that are the user's own choice or the rule working as intended warn nowhere: their
