@@ -18,8 +18,8 @@ from torch import nn
 from swap_pass import SwapConfig
 from swap_pass.runtime.device import accelerator_type
 
-__all__ = ["METHODS", "BenchContext", "Method", "MethodSkipped", "Runner", "default_compile_inner",
-           "require"]
+__all__ = ["METHODS", "TOOL_KEYS", "BenchContext", "Method", "MethodSkipped", "Runner",
+           "default_compile_inner", "require"]
 
 
 class MethodSkipped(Exception):
@@ -199,6 +199,28 @@ METHODS: list[Method] = [
     Method("torchtune", "torchtune OffloadActivations", _torchtune),
     Method("hf_offload", "HF checkpointing + offload", _hf_offload, reference=""),
 ]
+
+
+def _offload_tool(key: str) -> Callable[[nn.Module, BenchContext], Runner]:
+    def build(model: nn.Module, ctx: BenchContext) -> Runner:
+        from swap_pass.tools.bench.offload_tools import BUILDS
+
+        return BUILDS[key](model, ctx)
+
+    return build
+
+
+# Fine-tuning tools' offloading, each against HF checkpointing of the same model
+# (swap_pass/tools/bench/offload_tools.py); HF checkpointing itself against full recompute.
+TOOL_KEYS = ("hf_recompute", "trl_offload", "trl_offload_all", "trl_swap", "torchtune_offload",
+             "torchtune_swap", "accelerate_offload", "accelerate_swap")
+METHODS += [Method(key, label, _offload_tool(key), recompute=True,
+                   reference="recompute" if key == "hf_recompute" else "hf_recompute")
+            for key, label in zip(TOOL_KEYS, (
+                "HF checkpointing", "TRL offload + checkpointing", "TRL offload, no checkpointing",
+                "TRL flag served by swap_pass", "torchtune offload + checkpointing",
+                "torchtune flag served by swap_pass", "accelerate AC offload",
+                "accelerate AC offload served by swap_pass"), strict=True)]
 
 
 def default_compile_inner() -> str:

@@ -8,10 +8,11 @@ import math
 import os
 
 from swap_pass.tools.bench.harness import MethodResult
+from swap_pass.tools.bench.methods import TOOL_KEYS
 from swap_pass.tools.bench.run import BenchReport, load_caveat
 
 __all__ = ["Section", "anchor_line", "format_report", "format_rows", "headline_section",
-           "host_section",
+           "host_section", "tools_section",
            "method_section", "mib", "ms", "plot_memory", "plot_path", "smart_sections", "table",
            "write_json"]
 
@@ -226,6 +227,31 @@ def headline_section(rows: list[MethodResult], anchor: dict) -> Section | None:
                    _HEADLINE_HEAD, body)
 
 
+def _over(v: float | None, base: float | None) -> str:
+    return "-" if v is None or not base else f"{v / base:.2f}x"
+
+
+def tools_section(rows: list[MethodResult]) -> Section | None:
+    """Fine-tuning tools' offloading against HF checkpointing of the same model: peak, its ratio,
+    the device memory swap_pass freed, step and CPU time as ratios of the paired ratios (each row
+    and HF checkpointing against the same no-swap steps); None without an HF checkpointing row."""
+    base = next((r for r in rows if r.key == "hf_recompute" and r.status == "ok"), None)
+    if base is None:
+        return None
+    body = [[r.label, mib(r.peak_bytes), _over(r.peak_bytes, base.peak_bytes),
+             mib(r.peak_device_bytes_released) if r.peak_device_bytes_released else "-",
+             _over(r.time_ratio, base.time_ratio), _over(r.cpu_ratio, base.cpu_ratio), _match(r)]
+            for r in rows if r.key in TOOL_KEYS and r.status == "ok"]
+    return Section("fine-tuning tools' offloading against HF checkpointing (x ckpt: ratio to HF "
+                   "checkpointing's)", ["method", "peak MiB", "peak x ckpt", "freed MiB",
+                                        "step x ckpt", "CPU x ckpt", "losses vs ref"], body)
+
+
+def _tools_lines(report: BenchReport) -> list[str]:
+    section = tools_section(report.rows)
+    return [] if section is None else section.lines()
+
+
 def _headline_lines(report: BenchReport) -> list[str]:
     section = headline_section(report.rows, report.anchor)
     return [] if section is None else section.lines()
@@ -259,6 +285,7 @@ def format_report(report: BenchReport) -> str:
         "host bytes.",
         anchor_line(report.anchor),
         *_headline_lines(report),
+        *_tools_lines(report),
         *_host_lines(report.host),
         *_extra_lines(report.extra),
     ]

@@ -194,8 +194,8 @@ def load_average() -> float | None:
 
 
 def select_methods(keys: Iterable[str] | None) -> list[Method]:
-    """The methods named by ``keys`` in :data:`METHODS` order, no swap always among them
-    (None: all).
+    """The methods named by ``keys`` in :data:`METHODS` order, with no swap and each one's loss
+    reference (and that one's) among them (None: all).
 
     Raises:
         ValueError: naming the unknown keys and the known ones.
@@ -207,6 +207,11 @@ def select_methods(keys: Iterable[str] | None) -> list[Method]:
     if unknown:
         raise ValueError(f"swap_pass.tools.bench: methods {sorted(unknown)} are unknown. "
                          f"They must be among {[m.key for m in METHODS]}.")
+    references = {m.key: m.reference for m in METHODS}
+    for key in list(keys):  # each row's loss reference, and its reference's, run too
+        while references.get(key):
+            key = references[key]
+            keys.add(key)
     return [m for m in METHODS if m.key in keys]
 
 
