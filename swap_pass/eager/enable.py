@@ -61,8 +61,11 @@ __all__ = ["SwapLayerInputHandle", "enable_swap_layer_input", "find_layer_blocks
 #     torch's ``offload_wrapper(checkpoint_wrapper(layer))`` (accelerate's FSDP2
 #     ``activation_checkpointing_offload``) does the same with a module: its ``forward`` runs the
 #     checkpointed layer inside ``save_on_cpu(pin_memory=True)``. An enabled block that is such an
-#     ``OffloadWrapper`` gets an instance ``forward`` that calls the checkpointed layer directly
-#     (the swap wrapper wraps that one); ``handle.remove()`` deletes it, and the wrapper's own
+#     ``OffloadWrapper`` gets an instance ``forward`` that calls the checkpointed module directly,
+#     and the swap goes on that module, not on the wrapper: accelerate puts ``fully_shard`` on
+#     the module inside, whose pre-forward hook hands the layer an alias of its input, and only
+#     the tensor the checkpoint saves may leave the device (Note: [Ownership rule] in
+#     ``swap_pass/runtime/freeing.py``). ``handle.remove()`` deletes both, and the wrapper's own
 #     ``forward`` offloads again. The module tree, and so every parameter's name, is unchanged.
 
 
@@ -194,7 +197,8 @@ class SwapLayerInputHandle(SwapHandle):
 
     Attributes:
         model: The model swap was enabled on.
-        layers: The patched blocks, in call order.
+        layers: The patched blocks, in call order (inside torch's ``OffloadWrapper``, the
+            checkpointed module it wraps: Note: [Taking over HF's offload]).
         chain: The :class:`LayerChain` of the blocks' managers, which this handle owns.
         managers: One :class:`SwapLayerInputManager` per block, same order.
         module_tag: The chain's tag.
@@ -204,6 +208,7 @@ class SwapLayerInputHandle(SwapHandle):
         self.model = model
         self.layers: list[nn.Module] = []
         self.managers: list[SwapLayerInputManager] = []
+        self._taken_over: list[nn.Module] = []  # blocks whose offloading checkpoint is replaced
         self.chain = LayerChain(f"{_API}:{type(model).__name__}@{id(model):x}")
         try:  # all or nothing: see Note: [Enabling is all or nothing]
             for layer in layers:
@@ -213,23 +218,31 @@ class SwapLayerInputHandle(SwapHandle):
             self._undo()
             raise
 
-    def _patch(self, layer: nn.Module, manager: SwapLayerInputManager) -> None:
-        """Give ``layer`` its manager and its shadowing ``forward`` (recorded before each change,
-        so that :meth:`_undo` reverts exactly what happened)."""
+    def _patch(self, block: nn.Module, manager: SwapLayerInputManager) -> None:
+        """Give ``block`` (or the checkpointed module inside torch's ``OffloadWrapper``) its
+        manager and its shadowing ``forward``, each change recorded before it is made, so that
+        :meth:`_undo` reverts exactly what happened (Note: [Taking over HF's offload])."""
         self.managers.append(manager)
+        self._taken_over.append(block)
+        layer = block._checkpoint_wrapped_module if take_over(block) and _is_offload_wrapper(
+            block) else block
         self.layers.append(layer)
-        take_over(layer)  # Note: [Taking over HF's offload]; first: it may set the forward
         attr = _forward_attribute(layer)
         inner = layer.__dict__.get(attr)
         object.__setattr__(layer, attr, _SwappedForward(layer, inner))
         object.__setattr__(layer, "swap_manager", manager)
 
-    def _undo(self) -> None:
-        """Revert every block patched so far and drop the managers (a failed enable)."""
+    def _revert(self) -> None:
         for layer in self.layers:
             _unpatch(layer)
+        for block in self._taken_over:
+            give_back(block)
         for manager in self.managers:
             manager.unregister()
+
+    def _undo(self) -> None:
+        """Revert every block patched so far and drop the managers (a failed enable)."""
+        self._revert()
         if self.model.__dict__.get(_HANDLE_ATTR) is self:
             del self.model.__dict__[_HANDLE_ATTR]
 
@@ -249,10 +262,7 @@ class SwapLayerInputHandle(SwapHandle):
         Safe at any point, also between a forward and its backward: every input still off the
         device is restored first (that backward then runs unswapped and exact).
         """
-        for layer in self.layers:
-            _unpatch(layer)
-        for manager in self.managers:
-            manager.unregister()
+        self._revert()
         del self.model.__dict__[_HANDLE_ATTR]
 
     def _repr_fields(self) -> dict[str, object]:
@@ -289,7 +299,6 @@ def _unpatch(layer: nn.Module) -> None:
             elif attr == "_old_forward":  # accelerate's hook came later: it calls this one
                 layer.__dict__[attr] = type(layer).forward.__get__(layer)
     layer.__dict__.pop("swap_manager", None)
-    give_back(layer)
 
 
 def _check_layers(model: nn.Module, layers: Iterable[nn.Module] | None) -> list[nn.Module]:

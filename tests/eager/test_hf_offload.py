@@ -140,12 +140,13 @@ def test_torch_offload_wrapper_is_replaced_by_the_swap_exactly(device):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     expected = _hf_step(ref, ids)
     handle = swap_pass.enable_swap_layer_input(model)
-    assert all(isinstance(layer, OffloadWrapper) for layer in handle.layers)
-    hooks_seen = []  # the saved-tensor hooks each checkpointed layer runs under: save_on_cpu's?
+    assert all(isinstance(block, OffloadWrapper) for block in model.model.layers)
+    # the swap goes on the checkpointed module inside each wrapper
+    assert handle.layers == [block._checkpoint_wrapped_module for block in model.model.layers]
+    hooks_seen = []  # the saved-tensor hooks each checkpointed module is called under
     top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
     for layer in handle.layers:
-        layer._checkpoint_wrapped_module.register_forward_pre_hook(
-            lambda *_: hooks_seen.append(top_hooks(False)))
+        layer.register_forward_pre_hook(lambda *_: hooks_seen.append(top_hooks(False)))
     assert_exact(_unwrapped_names(expected),
                  _unwrapped_names(_hf_step_freeing(model, handle.layers, ids)))
     assert hooks_seen == [None] * L  # no save_on_cpu around them
@@ -153,4 +154,5 @@ def test_torch_offload_wrapper_is_replaced_by_the_swap_exactly(device):
     assert_clean()
     handle.remove()
     assert [n for n, _ in model.named_parameters()] == names
-    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert all("forward" not in vars(block) and "forward" not in vars(
+        block._checkpoint_wrapped_module) for block in model.model.layers)
