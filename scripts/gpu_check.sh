@@ -4,15 +4,19 @@
 # prints them). Every stage writes its files as it finishes, so a run killed part-way keeps what
 # ran before. In order:
 #
-#   headline     150 s  swap-pass bench (preset llama-8b-layer on an accelerator, tiny on CPU):
+#   headline     135 s  swap-pass bench (preset llama-8b-layer on an accelerator, tiny on CPU):
 #                       no swap, full recompute, recompute + swap (eager), torch save_on_cpu, HF
 #                       checkpointing + offload (transformers' activation_checkpointing_enable(
 #                       offload=True); a row with its reason where transformers or pinned memory
 #                       lacks it): peak, step time against full recompute, D2H/H2D GB/s against a
 #                       plain pinned copy of the same bytes -> headline.json (+ .png), headline.txt
+#   tools         45 s  swap-pass bench --layers 2: the fine-tuning tools' offloading against HF
+#                       checkpointing of the same model (TRL's, torchtune's, accelerate's
+#                       offload_wrapper; each flag served by swap_pass): peak, freed bytes, step
+#                       and CPU time over HF checkpointing's, exactness -> tools.json, tools.txt
 #   setup         15 s  env.txt (torch, device, transformers, pytest, hypothesis); pytest from
 #                       WHEEL_DIR when it is missing -> env.txt, setup.txt
-#   races        100 s  tests/reliability/test_cuda_races.py: torch.cuda._sleep queued on the side
+#   races         90 s  tests/reliability/test_cuda_races.py: torch.cuda._sleep queued on the side
 #                       streams before every copy (or on the compute stream before every producer),
 #                       64 MiB layer inputs, several steps with and without a synchronize, a second
 #                       compute stream, eager and compiled (swap_backend with Inductor, aot_eager
@@ -27,13 +31,13 @@
 #   expandable    30 s  three eager races again with
 #                       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                       -> pytest-expandable.txt, expandable-junit.xml
-#   accelerator   90 s  pytest -m accelerator over the rest of the suite (without the modules that
+#   accelerator   80 s  pytest -m accelerator over the rest of the suite (without the modules that
 #                       need hypothesis where it is missing; the aot_eager graph tests and the
 #                       HF tiny models included; -v streams each result, so a stage cut by its
 #                       limit still shows what ran); the compiled forward's
 #                       peak allocated and reserved -> pytest-accelerator.txt,
 #                       accelerator-junit.xml, accelerator-peaks.json
-#   capacity      65 s  swap-pass capacity under a REAL device-memory cap (24 GiB, 48 GiB of host
+#   capacity      55 s  swap-pass capacity under a REAL device-memory cap (24 GiB, 48 GiB of host
 #                       memory, no swap / full recompute / recompute + swap); each probe's line is
 #                       in capacity.txt as it runs -> capacity.txt, capacity.json
 #
@@ -64,7 +68,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=(headline=150 setup=15 races=100 sanitizer=30 expandable=30 accelerator=90 capacity=65)
+STAGES=(headline=135 tools=45 setup=15 races=90 sanitizer=30 expandable=30 accelerator=80
+        capacity=55)
 KILL_GRACE=5  # seconds between SIGTERM and SIGKILL, inside each stage's limit
 RACES=tests/reliability/test_cuda_races.py
 
@@ -174,6 +179,15 @@ run_stage headline headline.txt "headline.json headline.png" \
   ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/headline.json"
 sed -n '/^against full recompute/,/^$/p' "$OUT/headline.txt"
 grep -E '^(bandwidth anchor|.*: SKIPPED: |.*: FAILED: )' "$OUT/headline.txt"
+
+# --- tools: TRL's, torchtune's and accelerate's offloading beside the flags swap_pass serves ---
+# shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of extra flags
+run_stage tools tools.txt "tools.json tools.png" \
+  python3 -m swap_pass bench ${preset[@]+"${preset[@]}"} --layers 2 --steps 3 --warmup 1 \
+  --methods hf_recompute,trl_offload,trl_offload_all,trl_swap,torchtune_offload,torchtune_swap,accelerate_offload,accelerate_swap \
+  --no-smart-rows --no-host-rows ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/tools.json"
+sed -n "/^fine-tuning tools' offloading/,/^\$/p" "$OUT/tools.txt"
+grep -E '^.*: (SKIPPED|FAILED): ' "$OUT/tools.txt"
 
 # --- setup ------------------------------------------------------------------------------------
 run_stage setup setup.txt env.txt bash "$0" --setup "$OUT" "$WHEELS"

@@ -22,6 +22,8 @@ host-instructions  ``python scripts/host_cost.py instructions --json PATH`` (``-
 graph-peaks        ``python scripts/graph_peak.py --json PATH`` (``--graph``)
 gpu-stages         ``scripts/gpu_check.sh``'s ``stages.jsonl`` (``--gpu-stages``)
 gpu-headline       its ``headline.json``: the bench against full recompute (``--gpu-headline``)
+gpu-tools          its ``tools.json``: the fine-tuning tools' offloading (``--gpu-tools``)
+tools              ``swap-pass bench --methods <the tools' rows> --json PATH`` (``--tools``)
 gpu-peaks          its ``accelerator-peaks.json``: compiled forward peaks (``--gpu-peaks``)
 gpu-capacity       its ``capacity.json``: capacity under a real cap (``--gpu-capacity``)
 gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
@@ -32,12 +34,13 @@ capacity-batch     ``swap-pass capacity --dim batch --json PATH`` (``--capacity-
 capacity-seq       ``swap-pass capacity --dim seq --json PATH`` (``--capacity-seq``)
 =================  ===========================================================================
 
-``--gpu-check DIR`` reads the four ``gpu-*`` files above from the folder ``scripts/gpu_check.sh``
+``--gpu-check DIR`` reads the five ``gpu-*`` files above from the folder ``scripts/gpu_check.sh``
 wrote (its ``$OUT``), those present; a stage that did not finish left none, and its section stays.
 
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
-       [--gpu-check DIR] [--gpu-stages stages.jsonl] [--gpu-headline H.json]
+       [--gpu-check DIR] [--gpu-stages stages.jsonl] [--gpu-headline H.json] [--tools T.json]
+       [--gpu-tools T.json]
        [--gpu-peaks P.json] [--gpu-capacity C.json] [--gpu-bench G.json] [--gpu-compile C.json]
        [--megatron M.json] [--megatron-cpu M.json] [--capacity-batch B.json]
        [--capacity-seq S.json]
@@ -53,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swap_pass.tools.bench.harness import MethodResult
+from swap_pass.tools.bench.methods import TOOL_KEYS
 from swap_pass.tools.bench.report import (
     Section,
     anchor_line,
@@ -61,6 +65,7 @@ from swap_pass.tools.bench.report import (
     method_section,
     mib,
     smart_sections,
+    tools_section,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +212,26 @@ def gpu_headline(data: dict) -> list[str]:
     return [*lines, f"- {anchor_line(data['anchor'])}"]
 
 
+def offload_tools(data: dict) -> list[str]:
+    """The fine-tuning tools' offloading against HF checkpointing, with the rows that could not
+    run and why."""
+    rows = [MethodResult(**row) for row in data["rows"]]
+    section = tools_section(rows)
+    if section is None:
+        return [f"Not measured by `{data['meta']['command']}`: the HF checkpointing row did not "
+                "run."]
+    preset = data["meta"]["preset"]
+    model = preset["model"]
+    keys = set(TOOL_KEYS)
+    return [provenance(data["meta"]), "",
+            f"Model: HF Llama, {model['num_layers']} layers, hidden {model['hidden_size']}, batch "
+            f"{preset['batch']}, seq {preset['seq']}, {preset['dtype']}; {preset['timed_steps']} "
+            "timed steps; x ckpt: ratio to HF checkpointing's (times: of the paired ratios).", "",
+            *md_table(section.head, section.body), "",
+            *[f"- {r.label}: {r.status}: {r.reason}" for r in rows
+              if r.key in keys and r.status != "ok"]]
+
+
 def gpu_stages(records: list[dict]) -> list[str]:
     """The GPU check's stages: limit, time taken, status, the files each wrote."""
     total = sum(r["limit_s"] for r in records)
@@ -234,6 +259,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "bench-methods": ("bench", bench_methods), "bench-host": ("bench", bench_host),
     "smartswap": ("bench", smartswap), "host-stages": ("stages", host_stages),
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
+    "tools": ("tools", offload_tools), "gpu-tools": ("gpu-tools", offload_tools),
     "gpu-stages": ("gpu-stages", gpu_stages), "gpu-headline": ("gpu-headline", gpu_headline),
     "gpu-peaks": ("gpu-peaks", gpu_peaks), "gpu-capacity": ("gpu-capacity", capacity),
     "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),
@@ -264,6 +290,7 @@ def regenerate(page: str, files: dict[str, dict]) -> str:
 
 # the files scripts/gpu_check.sh writes under its $OUT, by option
 GPU_CHECK_FILES = {"gpu-stages": "stages.jsonl", "gpu-headline": "headline.json",
+                   "gpu-tools": "tools.json",
                    "gpu-peaks": "accelerator-peaks.json", "gpu-capacity": "capacity.json"}
 
 

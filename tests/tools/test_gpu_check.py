@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 RACES = "tests/reliability/test_cuda_races.py"
 MAX_TOTAL_S, MAX_HEADLINE_S = 480, 150
-ORDER = ["headline", "setup", "races", "sanitizer", "expandable", "accelerator", "capacity"]
+ORDER = ["headline", "tools", "setup", "races", "sanitizer", "expandable", "accelerator",
+         "capacity"]
 
 
 def _limits() -> dict[str, int]:
@@ -127,7 +128,7 @@ def _check_results_page(out: Path, page: Path) -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     text = page.read_text()
     gpu = text[text.index("<!-- results_page: gpu-stages -->"):]
-    assert "| headline | 150 |" in gpu and "| capacity |" in gpu
+    assert "| headline | 135 |" in gpu and "| capacity |" in gpu
     assert re.search(r"\| full recompute \| [\d.]+ \| [\d.]+x \| [\d.]+ \| 1\.00x \|", gpu), gpu
     assert "- HF checkpointing + offload: skipped: " in gpu
     assert "virtual cap (CPU)" in gpu
