@@ -24,6 +24,7 @@ gpu-stages         ``scripts/gpu_check.sh``'s ``stages.jsonl`` (``--gpu-stages``
 gpu-headline       its ``headline.json``: the bench against full recompute (``--gpu-headline``)
 gpu-tools          its ``tools.json``: the fine-tuning tools' offloading (``--gpu-tools``)
 tools              ``swap-pass bench --methods <the tools' rows> --json PATH`` (``--tools``)
+tools-device       the same on the test accelerator (``--tools-device``)
 gpu-peaks          its ``accelerator-peaks.json``: compiled forward peaks (``--gpu-peaks``)
 gpu-capacity       its ``capacity.json``: capacity under a real cap (``--gpu-capacity``)
 gpu-methods        ``swap-pass bench --json PATH`` on an accelerator (``--gpu-bench``)
@@ -40,7 +41,7 @@ wrote (its ``$OUT``), those present; a stage that did not finish left none, and 
 Usage: PYTHONPATH=<checkout> python scripts/results_page.py [--page docs/results.md]
        [--bench B.json] [--stages S.json] [--instructions I.json] [--graph G.json]
        [--gpu-check DIR] [--gpu-stages stages.jsonl] [--gpu-headline H.json] [--tools T.json]
-       [--gpu-tools T.json]
+       [--tools-device T.json] [--gpu-tools T.json]
        [--gpu-peaks P.json] [--gpu-capacity C.json] [--gpu-bench G.json] [--gpu-compile C.json]
        [--megatron M.json] [--megatron-cpu M.json] [--capacity-batch B.json]
        [--capacity-seq S.json]
@@ -259,7 +260,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "bench-methods": ("bench", bench_methods), "bench-host": ("bench", bench_host),
     "smartswap": ("bench", smartswap), "host-stages": ("stages", host_stages),
     "host-instructions": ("instructions", host_instructions), "graph-peaks": ("graph", graph_peaks),
-    "tools": ("tools", offload_tools), "gpu-tools": ("gpu-tools", offload_tools),
+    "tools": ("tools", offload_tools), "tools-device": ("tools-device", offload_tools),
+    "gpu-tools": ("gpu-tools", offload_tools),
     "gpu-stages": ("gpu-stages", gpu_stages), "gpu-headline": ("gpu-headline", gpu_headline),
     "gpu-peaks": ("gpu-peaks", gpu_peaks), "gpu-capacity": ("gpu-capacity", capacity),
     "gpu-methods": ("gpu-bench", bench_methods), "gpu-compile": ("gpu-compile", bench_methods),

@@ -49,6 +49,23 @@ def test_with_stream_makes_it_current_and_restores_the_default(dev) -> None:
     assert torch.accelerator.current_stream(dev) == default
 
 
+def test_the_device_module_has_torch_cuda_stream_api(dev) -> None:
+    """``torch.swaptest.Stream()``, ``.Event()`` and ``.stream(s)``, as code written against a
+    device module (TRL's activation offloading) calls them."""
+    module = torch.get_device_module("swaptest")
+    default = module.current_stream()
+    side = module.Stream()
+    assert side.device == dev and side != default
+    with module.stream(side):
+        assert module.current_stream() == side
+        event = module.Event()
+        event.record(side)
+    assert module.current_stream() == default
+    default.wait_event(event)
+    with module.stream(None):
+        assert module.current_stream() == default
+
+
 def test_work_on_one_stream_runs_in_order(long_delay) -> None:
     """H2D then D2H on the same side stream: the second reads what the first wrote."""
     dev = long_delay

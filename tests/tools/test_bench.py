@@ -501,3 +501,37 @@ def test_bench_prints_the_rates_budget_mode_planned_with(capsys, monkeypatch):
     assert re.search(r"budget mode planned with: device-to-host copy [0-9.]+ GB/s \(cpu, \d+ CPU "
                      r"threads\)", out), out
     assert re.search(r"budget mode planned with: float32 matmul [0-9.]+ TFLOP/s \(cpu, ", out), out
+
+
+def test_offloading_tools_rows_against_hf_checkpointing():
+    """The tools' rows train HF Llama beside HF checkpointing: the flags swap_pass serves and
+    accelerate's own offload are exact against it, the served ones freed layer inputs (all but
+    the last: 3 of SMALL's 4 layers), and a tool that cannot run here says why in its row."""
+    pytest.importorskip("transformers")
+    from swap_pass.tools.bench.report import format_report, tools_section
+
+    keys = ["trl_offload", "trl_swap", "torchtune_offload", "torchtune_swap",
+            "accelerate_offload", "accelerate_swap"]
+    report = run_bench(SMALL, BenchContext(CPU), methods=keys, smart_rows=False,
+                       host_rows=False)
+    assert report.row("hf_recompute").status == "ok"  # brought along as their reference
+    layer_input = SMALL.layer_input_bytes
+    for key in ("trl_swap", "torchtune_swap", "accelerate_swap"):
+        row = report.row(key)
+        assert row.status == "ok" and row.losses_match is True, (key, row.reason)
+        swapped = (SMALL.model.num_layers - 1) * layer_input  # one step's, as measured
+        assert row.swapped_out_bytes == row.peak_device_bytes_released == swapped, key
+    accelerate = report.row("accelerate_offload")
+    assert accelerate.status == "ok" and accelerate.losses_match is True
+    assert accelerate.swapped_out_bytes == 0
+    assert report.row("torchtune_offload").status == "skipped"
+    assert "CUDA-only" in report.row("torchtune_offload").reason
+    trl = report.row("trl_offload")
+    assert trl.status == "skipped" and ("trl is not installed" in trl.reason
+                                        or "cannot be built on cpu" in trl.reason), trl.reason
+    section = tools_section(report.rows)
+    assert [cells[0] for cells in section.body] == [
+        "HF checkpointing", "TRL flag served by swap_pass", "torchtune flag served by swap_pass",
+        "accelerate AC offload", "accelerate AC offload served by swap_pass"]
+    assert section.body[0][2] == "1.00x" and section.body[0][-1] == "not compared"
+    assert "fine-tuning tools' offloading against HF checkpointing" in format_report(report)

@@ -57,6 +57,7 @@ What the device models (2 devices, memory in host RAM):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -177,6 +178,11 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.set_device = torch.accelerator.set_device_index
     mod.synchronize = lambda device=None: torch.accelerator.synchronize(device)
     mod.current_stream = lambda device=None: torch.accelerator.current_stream(device)
+    # As torch.cuda has them, for code written against a device module (TRL's offloading).
+    mod.Stream = lambda device=None, priority=0: torch.Stream(
+        device=torch.device(DEVICE_TYPE, _index(device)), priority=priority)
+    mod.Event = lambda **flags: torch.Event(device=DEVICE_TYPE, **flags)
+    mod.stream = _stream_context
     # Random numbers of device tensors come from the CPU generator (every op runs on CPU).
     mod.get_rng_state = lambda device=None: torch.get_rng_state()
     mod.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
@@ -192,6 +198,21 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.get_device_properties = lambda device=None: DeviceProperties(
         name=DEVICE_TYPE, total_memory=ext.total_memory())
     return mod
+
+
+@contextlib.contextmanager
+def _stream_context(stream: torch.Stream | None):
+    """``torch.swaptest.stream(s)``: ``s`` current on its device inside the block (as
+    ``torch.cuda.stream``; None changes nothing)."""
+    if stream is None:
+        yield
+        return
+    before = torch.accelerator.current_stream(stream.device)
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(before)
 
 
 class DeviceProperties(types.SimpleNamespace):
