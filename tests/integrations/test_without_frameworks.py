@@ -1,6 +1,8 @@
 """swap_pass and ``swap_pass.integrations`` import without the frameworks; the torchtitan
-integration, imported without torchtitan, says what to install. Runs in a fresh interpreter in
-which ``import torchtitan`` fails, with or without torchtitan installed."""
+integration, imported without torchtitan, says what to install; the TRL and torchtune ones import
+without their tools (they need them only for a step handed back). Runs in a fresh interpreter in
+which ``import torchtitan``, ``import trl`` and ``import torchtune`` fail, with or without them
+installed."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import sys
 
 _CODE = """
 import sys
-sys.modules["torchtitan"] = None  # import torchtitan raises ImportError
+for name in ("torchtitan", "trl", "torchtune"):
+    sys.modules[name] = None  # import NAME raises ImportError
 import swap_pass, swap_pass.integrations, swap_pass.integrations.megatron
-print("loaded:", sorted(m for m in sys.modules if m.startswith(("torchtitan.", "megatron"))))
+import swap_pass.integrations.trl, swap_pass.integrations.torchtune
+print("loaded:", sorted(m for m in sys.modules
+                        if m.startswith(("torchtitan.", "megatron", "trl.", "torchtune."))))
 try:
     import swap_pass.integrations.torchtitan
 except ImportError as err:

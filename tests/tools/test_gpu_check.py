@@ -136,11 +136,11 @@ def _check_results_page(out: Path, page: Path) -> None:
 
 @pytest.mark.slow
 def test_a_stage_past_its_limit_is_killed_and_the_next_ones_still_run(tmp_path):
-    """The headline stage gets 3 s (8 s less the kill grace); the bench takes longer on any
-    machine, so it is killed: no JSON, status "time limit", and every later stage still runs and
-    records itself."""
+    """The headline stage gets 1 s (6 s less the kill grace); the bench takes longer on any
+    machine (its imports alone do), so it is killed: no JSON, status "time limit", and every
+    later stage still runs and records itself."""
     out = tmp_path / "out"
-    limits = "headline=8 races=6 sanitizer=6 expandable=6 accelerator=6 capacity=6"
+    limits = "headline=6 tools=6 races=6 sanitizer=6 expandable=6 accelerator=6 capacity=6"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_LIMITS": limits}
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=MAX_TOTAL_S)
@@ -148,7 +148,8 @@ def test_a_stage_past_its_limit_is_killed_and_the_next_ones_still_run(tmp_path):
     assert [s["stage"] for s in stages] == ORDER
     assert stages[0]["status"] == "time limit" and stages[0]["exit"] in (124, 137), stages[0]
     assert not (out / "headline.json").exists()
-    assert stages[1]["status"] == "passed" and (out / "env.txt").is_file()
+    assert stages[2]["stage"] == "setup" and stages[2]["status"] == "passed"
+    assert (out / "env.txt").is_file()
     not_passed = sum(s["status"] != "passed" for s in stages)
     assert proc.returncode == not_passed, proc.stdout[-3000:]
     assert f"gpu_check: {not_passed} stage(s) did not pass" in (out / "summary.txt").read_text()
