@@ -224,8 +224,9 @@ class SwapLayerInputHandle(SwapHandle):
         :meth:`_undo` reverts exactly what happened (Note: [Taking over HF's offload])."""
         self.managers.append(manager)
         self._taken_over.append(block)
-        layer = block._checkpoint_wrapped_module if take_over(block) and _is_offload_wrapper(
-            block) else block
+        took_over = take_over(block)
+        layer = block._checkpoint_wrapped_module if took_over and _is_offload_wrapper(block) \
+            else block
         self.layers.append(layer)
         attr = _forward_attribute(layer)
         inner = layer.__dict__.get(attr)

@@ -19,9 +19,11 @@ Note: [What an offloading flag becomes]
     memory budget (``swap_pass.SmartSwap(model, memory_budget=...)``): a decision the flag does
     not carry. So the context hands the step to the tool's own manager, unchanged; it warns once,
     naming what to set, and counts every step it handed back in
-    ``swap_stats().skips["handed_back"]``. A model in which no layer family is found is handed
-    back the same way. The choice is made at the first ``with`` (TRL turns checkpointing on when
-    training starts, after it built the context) and kept until :meth:`LayerInputOffload.remove`.
+    ``swap_stats().skips["handed_back"]``. A model in which no layer family is found, or whose
+    layers ``enable_swap_layer_input`` refuses (a block compiled with ``nn.Module.compile``, say),
+    is handed back the same way. The choice is made at the first ``with`` (TRL turns
+    checkpointing on when training starts, after it built the context) and kept until
+    :meth:`LayerInputOffload.remove`, after which the next ``with`` decides again.
 """
 
 from __future__ import annotations
@@ -101,9 +103,11 @@ class LayerInputOffload(AbstractContextManager):
         return None
 
     def remove(self) -> None:
-        """Undo what the context enabled on the model (a handle the user enabled stays)."""
+        """Undo what the context enabled on the model (a handle the user enabled stays); a later
+        ``with`` decides again."""
         if self._owns_handle and self.handle.active:
             self.handle.remove()
+        self.handle, self.handed_back, self._owns_handle = None, None, False
 
     def _decide(self) -> None:
         from swap_pass.eager.enable import _HANDLE_ATTR, enable_swap_layer_input, find_layer_blocks
@@ -125,7 +129,11 @@ class LayerInputOffload(AbstractContextManager):
             self._hand_back(f"{plain} of its {len(blocks)} layers ({type(blocks[0]).__name__}) "
                             "are not activation-checkpointed", self._hint)
             return
-        self.handle = enable_swap_layer_input(self.model, layers=blocks, config=self._config)
+        try:
+            self.handle = enable_swap_layer_input(self.model, layers=blocks, config=self._config)
+        except (RuntimeError, ValueError) as err:  # refused, the model unchanged
+            self._hand_back(f"swap_pass cannot swap its layers ({err})", "change what that names")
+            return
         self._owns_handle = True
 
     def _hand_back(self, why: str, what_to_set: str) -> None:

@@ -89,8 +89,12 @@ def test_checkpointed_layers_swap_their_inputs_and_nothing_else(tool, device):
     assert stats.swapped_out_bytes == 3 * (L - 1) * LAYER_INPUT
     assert "handed_back" not in stats.skips
     assert_clean()
+    handle = served.handle
     served.remove()
-    assert not served.handle.active and "swap_manager" not in vars(model.model.layers[0])
+    assert not handle.active and "swap_manager" not in vars(model.model.layers[0])
+    with served:  # decided again: swapping again
+        assert served.handle is not None and served.handle.active
+    served.remove()
 
 
 def test_trl_knobs_map_to_the_swap_config():
@@ -150,7 +154,7 @@ def test_a_handle_the_user_enabled_serves_the_flag_and_stays():
         model(input_ids=_ids(0, "cpu"), labels=_ids(0, "cpu")).loss.backward()
     assert served.handle is handle
     served.remove()
-    assert handle.active
+    assert handle.active and served.handle is None
     handle.remove()
 
 
@@ -172,3 +176,17 @@ def test_torchtune_flag_off_is_a_context_that_does_nothing():
     assert isinstance(swap_torchtune.get_act_offloading_ctx_manager(model, False),
                       contextlib.nullcontext)
     assert "swap_manager" not in vars(model.model.layers[0])
+
+
+def test_layers_swap_cannot_enable_on_are_handed_back_with_the_reason():
+    """A block compiled with ``nn.Module.compile`` is refused by ``enable_swap_layer_input``; the
+    flag then stays the tool's own, with enable's reason in the warning."""
+    _, model = _checkpointed("cpu")
+    model.model.layers[0].compile(backend="eager")
+    served = _handed_back_to_save_on_cpu(model)
+    with pytest.warns(RuntimeWarning, match=r"stays TRL's own .*swap_pass cannot swap its layers "
+                      r"\(swap_pass.enable_swap_layer_input: layers\[0\] .* was compiled"):
+        with served:
+            pass
+    assert served.handle is None and "swap_manager" not in vars(model.model.layers[1])
+    assert swap_pass.swap_stats().skips["handed_back"] == 1
