@@ -36,9 +36,9 @@ def _torchtune_manager(model: nn.Module) -> AbstractContextManager:
         from torchtune.training import get_act_offloading_ctx_manager as torchtune_manager
     except ImportError as err:
         raise ImportError(
-            "swap_pass.integrations.torchtune: the model's layers are not checkpointed, so the "
-            f"step goes to torchtune's own activation offloading, and torchtune does not import "
-            f"here ({err}). Install torchtune, or turn activation checkpointing on.") from err
+            "swap_pass.integrations.torchtune: this step goes to torchtune's own activation "
+            f"offloading (the warning before says why), and torchtune does not import here "
+            f"({err}). Install torchtune, or change what the warning names.") from err
     return torchtune_manager(model, True)
 
 

@@ -37,9 +37,9 @@ def _trl_manager(model: nn.Module, **kwargs: object) -> AbstractContextManager:
         from trl.models import get_act_offloading_ctx_manager as trl_manager
     except ImportError as err:
         raise ImportError(
-            "swap_pass.integrations.trl: the model's layers are not checkpointed, so the step "
-            "goes to TRL's own activation offloading, and TRL does not import here "
-            f"({err}). Install trl, or turn activation checkpointing on.") from err
+            "swap_pass.integrations.trl: this step goes to TRL's own activation offloading (the "
+            f"warning before says why), and TRL does not import here ({err}). Install trl, or "
+            "change what the warning names.") from err
     return trl_manager(model, **kwargs)
 
 
