@@ -136,7 +136,6 @@ def train(rank: int, offload: bool, swap: bool, params_path: str) -> dict:
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point for ``torch.multiprocessing`` (``rank`` first): both runs, then
     ``out_dir/rank<r>.json`` (a run that raised reports its traceback under ``"error"``)."""
-    import torch.distributed as dist
 
     from tests.distributed import dist_worker
     # What accelerate's PartialState reads; one intra-op thread (it would pick its own count).
@@ -156,4 +155,4 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
     finally:
-        dist.destroy_process_group()
+        dist_worker.shutdown()

@@ -292,6 +292,14 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def shutdown() -> None:
+    """Leave the process group: a barrier first, so that no rank tears its gloo connections down
+    while a peer still uses them (without it, a rank of the accelerate FSDP2 test aborted at exit,
+    "terminate called without an active exception", in 3 of 8 runs; 0 of 15 with it)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_setups(rank: int, out_dir: str, setups: list[str], train, *, compare_runs=None,
                report: dict | None = None) -> None:
     """``train(setup, swap)`` without and with swap for each setup; the comparisons
@@ -312,4 +320,4 @@ def run_setups(rank: int, out_dir: str, setups: list[str], train, *, compare_run
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
     finally:
-        dist.destroy_process_group()
+        shutdown()
