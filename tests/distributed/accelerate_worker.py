@@ -14,11 +14,8 @@ names, whether a checkpointed layer ran under saved-tensor hooks (``save_on_cpu`
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
-import traceback
 import warnings
 
 import torch
@@ -27,7 +24,7 @@ STEPS = 3
 LR = 0.1
 BATCH, SEQ, VOCAB = 2, 8, 64
 LAYERS, DIM = 3, 32
-RUNS = ["offload", "plain"]
+SETUP = "fsdp2"  # the one setup of dist_worker.run_setups: "plain", then "offload"
 
 
 def _model():
@@ -134,25 +131,21 @@ def train(rank: int, offload: bool, swap: bool, params_path: str) -> dict:
 
 
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Entry point for ``torch.multiprocessing`` (``rank`` first): both runs, then
-    ``out_dir/rank<r>.json`` (a run that raised reports its traceback under ``"error"``)."""
+    """Entry point for ``torch.multiprocessing`` (``rank`` first): both runs through
+    ``dist_worker.run_setups``, then ``out_dir/rank<r>.json`` with ``{SETUP: {"plain": ...,
+    "offload": ...}}`` (or the traceback of the run that raised under ``"error"``)."""
 
     from tests.distributed import dist_worker
     # What accelerate's PartialState reads; one intra-op thread (it would pick its own count).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     dist_worker.init(rank, world, port)
-    report = {}
-    try:
-        for name in RUNS:
-            path = os.path.join(out_dir, f"rank{rank}-{name}.pt")
-            try:
-                report[name] = train(rank, offload=name == "offload", swap=name == "offload",
-                                     params_path=path)
-            except Exception:  # reported, so the test names the run that failed
-                report[name] = {"error": traceback.format_exc()}
-                print(report[name]["error"], file=sys.stderr)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-    finally:
-        dist_worker.shutdown()
+
+    def run_one(setup: str, swap: bool) -> dict:
+        name = "offload" if swap else "plain"
+        return train(rank, offload=swap, swap=swap,
+                     params_path=os.path.join(out_dir, f"rank{rank}-{name}.pt"))
+
+    dist_worker.run_setups(rank, out_dir, [SETUP], run_one,
+                           compare_runs=lambda plain, offload: {"plain": plain,
+                                                                "offload": offload})
