@@ -19,7 +19,7 @@ from swap_pass import SwapConfig
 from swap_pass.runtime.device import accelerator_type
 
 __all__ = ["METHODS", "TOOL_KEYS", "BenchContext", "Method", "MethodSkipped", "Runner",
-           "default_compile_inner", "require"]
+           "default_compile_inner", "require", "torchtune_offloading"]
 
 
 class MethodSkipped(Exception):
@@ -147,14 +147,20 @@ def _save_on_cpu(model: nn.Module, ctx: BenchContext) -> Runner:
     return _with_context(model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin))
 
 
-def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
-    if ctx.device.type != "cuda":  # checked with torchtune 0.6.1 installed: it fails on CPU
+def torchtune_offloading(ctx: BenchContext) -> contextlib.AbstractContextManager:
+    """torchtune's ``OffloadActivations`` (pinned, with streams), or :class:`MethodSkipped` where
+    it cannot run."""
+    if ctx.device.type != "cuda":  # checked with torchtune 0.6.1 installed: it fails elsewhere
         # The message names torchtune's own CUDA calls; swap_pass makes none here.
         raise MethodSkipped(
             f"torchtune OffloadActivations is CUDA-only (it takes torch.cuda.default_stream() and "
             f"copies back with .to('cuda')); the device is {ctx.device.type}")
     offload = require("torchtune.training", "OffloadActivations")
-    hooks = offload(use_pin_memory=True, use_streams=True)
+    return offload(use_pin_memory=True, use_streams=True)
+
+
+def _torchtune(model: nn.Module, ctx: BenchContext) -> Runner:
+    hooks = torchtune_offloading(ctx)
     return _with_context(model, lambda: hooks)
 
 

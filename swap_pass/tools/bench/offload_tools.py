@@ -26,7 +26,13 @@ from collections.abc import Callable
 from torch import nn
 
 from swap_pass.tools.bench.hf_offload import hf_checkpointing_enable, hf_llama_like, logits_loss
-from swap_pass.tools.bench.methods import BenchContext, MethodSkipped, Runner, require
+from swap_pass.tools.bench.methods import (
+    BenchContext,
+    MethodSkipped,
+    Runner,
+    require,
+    torchtune_offloading,
+)
 from swap_pass.tools.models import LlamaStyleModel
 
 __all__ = ["BUILDS"]
@@ -89,12 +95,8 @@ def trl_swap(model: nn.Module, ctx: BenchContext) -> Runner:
 
 
 def torchtune_offload(model: nn.Module, ctx: BenchContext) -> Runner:
-    if ctx.device.type != "cuda":  # checked with torchtune 0.6.1: it fails elsewhere
-        raise MethodSkipped(
-            f"torchtune OffloadActivations is CUDA-only (it takes torch.cuda.default_stream() and "
-            f"copies back with .to('cuda')); the device is {ctx.device.type}")
-    offload = require("torchtune.training", "OffloadActivations")
-    return _around_forward(_hf(model), offload(use_pin_memory=True, use_streams=True))
+    offload = torchtune_offloading(ctx)  # first: skipped before an HF model is built
+    return _around_forward(_hf(model), offload)
 
 
 def torchtune_swap(model: nn.Module, ctx: BenchContext) -> Runner:
